@@ -1,0 +1,55 @@
+"""Loading PyTorch checkpoints (diffusers folders, original single files) into Flax parameters."""
+import json
+import os
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from diffpipe_jax.convert import table
+from diffpipe_jax.convert.tensorfile import CheckpointError, TensorFiles, common_prefix, safetensors_in_folder
+
+
+def open_checkpoint(family, path: str, axes_dims_rope=None):
+  """Resolves `path` for a model family: returns (config, tensor files, single-file rows or None).
+
+  `path` is a diffusers pipeline folder (holding `transformer/`), a transformer folder (holding
+  `config.json` and its safetensors), or an original single `.safetensors` file.
+  """
+  if os.path.isdir(path):
+    folder = os.path.join(path, "transformer")
+    folder = folder if os.path.isfile(os.path.join(folder, "config.json")) else path
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+      raise CheckpointError(f"{path} holds no diffusers model: expected transformer/config.json "
+                            "(a pipeline folder) or config.json (a transformer folder)")
+    with open(config_path) as f:
+      config = json.load(f)
+    cls = config.get("_class_name")
+    if cls and cls != family.DIFFUSERS_CLASS:
+      raise CheckpointError(f"{config_path} describes a {cls}, not a {family.DIFFUSERS_CLASS}: "
+                            "point the path at the right model")
+    return family.config_from_diffusers(config), TensorFiles(safetensors_in_folder(folder)), None
+  if not os.path.exists(path):
+    raise CheckpointError(f"checkpoint not found: {path} (give a diffusers folder or a .safetensors file)")
+  files = TensorFiles([path])
+  prefix = common_prefix(files.keys(), family.SINGLE_FILE_PREFIXES)
+  if prefix:
+    files = TensorFiles([path], strip_prefix=prefix)
+  if family.SINGLE_FILE_SIGNATURE not in files:
+    sample = ", ".join(sorted(files.keys())[:5])
+    raise CheckpointError(
+        f"{path} is not a {family.DIFFUSERS_CLASS} single file: it lacks "
+        f"{family.SINGLE_FILE_SIGNATURE} (its keys begin: {sample}). Give the original single "
+        "file of this model, or a diffusers folder")
+  return family.config_from_single_file(files.shapes(), axes_dims_rope), files, family.SINGLE_FILE_TABLE
+
+
+def load_params(abstract, family, files, rows, dtype, put=jax.device_put, progress=True):
+  """Checks the checkpoint against `abstract` (eval_shape of the model's init), then converts it
+  leaf by leaf into `dtype` arrays placed by `put`. Returns the parameter tree."""
+  sources = table.plan(abstract, family.STACKED, files, rows)
+  leaves = table.load_leaves(abstract, family.STACKED, files, sources, np.dtype(dtype), put)
+  n = len(table.flatten(abstract))
+  return table.unflatten(dict(tqdm(leaves, total=n, desc="loading weights", disable=not progress,
+                                   unit="tensor")))

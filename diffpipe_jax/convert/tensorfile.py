@@ -1,0 +1,125 @@
+"""Memory-mapped reading of safetensors checkpoints: single files, sharded folders with an index.
+
+Tensors are numpy views into a read-only memory map, so taking a slice (one layer, the q rows of
+a fused qkv) reads only those pages, and nothing is copied until the caller converts it. The
+header is validated against the file size first: reading past the end of a truncated file
+through a memory map would crash the process instead of raising.
+"""
+import contextlib
+import json
+import os
+import struct
+from typing import Dict, Iterable, Tuple
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be used as given; the message says what is wrong and what to do."""
+
+
+def read_header(path: str) -> Tuple[dict, int]:
+  """Returns (tensor entries, byte offset of the data region), checking the file is complete."""
+  if not os.path.isfile(path):
+    raise CheckpointError(f"checkpoint file not found: {path}")
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    head = f.read(8)
+    if len(head) < 8:
+      raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8:
+      raise CheckpointError(f"{path} is truncated or not a safetensors file: its header claims "
+                            f"{n} bytes but the file holds {size}; copy or download it again")
+    try:
+      header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise CheckpointError(f"{path} is not a safetensors file (bad header: {e})") from None
+  header.pop("__metadata__", None)
+  data_end = max((e["data_offsets"][1] for e in header.values()), default=0)
+  if 8 + n + data_end > size:
+    raise CheckpointError(
+        f"{path} is truncated: its header describes {8 + n + data_end} bytes but the file holds "
+        f"{size}; the copy or download was interrupted, fetch it again")
+  for key, e in header.items():
+    if e["dtype"] not in DTYPES:
+      raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {e['dtype']}")
+  return header, 8 + n
+
+
+class TensorFiles:
+  """A read-only mapping from tensor name to a memory-mapped numpy array, over one or more files."""
+
+  def __init__(self, paths: Iterable[str], strip_prefix: str = ""):
+    self._entries: Dict[str, Tuple[str, dict, int]] = {}
+    self._maps: Dict[str, np.memmap] = {}
+    for path in paths:
+      header, offset = read_header(path)
+      for key, entry in header.items():
+        name = key[len(strip_prefix):] if strip_prefix and key.startswith(strip_prefix) else key
+        self._entries[name] = (path, entry, offset)
+
+  def keys(self):
+    return self._entries.keys()
+
+  def __contains__(self, key):
+    return key in self._entries
+
+  def shape(self, key) -> Tuple[int, ...]:
+    return tuple(self._entries[key][1]["shape"])
+
+  def shapes(self) -> Dict[str, Tuple[int, ...]]:
+    return {k: self.shape(k) for k in self._entries}
+
+  def __getitem__(self, key) -> np.ndarray:
+    path, entry, offset = self._entries[key]
+    if path not in self._maps:
+      self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+    start, stop = entry["data_offsets"]
+    raw = self._maps[path][offset + start:offset + stop]
+    return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+  def close(self):
+    self._maps.clear()
+
+
+def common_prefix(keys, candidates: Iterable[str]) -> str:
+  """The first candidate prefix that every key carries ("" if none does)."""
+  keys = list(keys)
+  for p in candidates:
+    if keys and all(k.startswith(p) for k in keys):
+      return p
+  return ""
+
+
+def safetensors_in_folder(folder: str):
+  """The weight files of a diffusers/transformers model folder: an index's shards or one file."""
+  for index in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors.index.json")):
+    with open(os.path.join(folder, index)) as f:
+      shards = sorted(set(json.load(f)["weight_map"].values()))
+    missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+    if missing:
+      raise CheckpointError(f"{folder}: the index {index} names shards that are missing: {missing}")
+    return [os.path.join(folder, s) for s in shards]
+  files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+  if len(files) != 1:
+    raise CheckpointError(f"{folder}: expected one .safetensors file or an index, found {files or 'none'}")
+  return [os.path.join(folder, files[0])]
+
+
+def write_atomic(tensors: Dict[str, np.ndarray], path: str, metadata=None):
+  """Writes a safetensors file through a temporary name, so a crash never leaves half a file."""
+  from safetensors.numpy import save_file
+  tmp = path + ".tmp"
+  with contextlib.ExitStack() as stack:
+    stack.callback(lambda: os.path.exists(tmp) and os.remove(tmp))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
+    os.replace(tmp, path)

@@ -1,0 +1,265 @@
+"""FLUX.1 transformer (dev with guidance embedding, schnell without) in Flax.
+
+Reimplements diffusers `FluxTransformer2DModel` with the same parameter names; the 19 double-
+and 38 single-stream blocks are stacked along a leading layer axis and run under `nn.scan`, so
+their parameters are one array per weight (`transformer_blocks/attn/to_q/kernel` is
+[num_layers, D, D]) that the mesh's `stage` axis can later shard.
+
+`SINGLE_FILE_TABLE` maps the Black Forest Labs single-file layout (`flux1-dev.safetensors`) onto
+the diffusers names; `diffpipe_jax.convert` reads it in both directions.
+"""
+import dataclasses
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from diffpipe_jax.convert.table import Row
+from diffpipe_jax.models import layers
+from diffpipe_jax.models.layers import Dtype, Linear
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxConfig:
+  """The hyperparameters of diffusers' `FluxTransformer2DModel` config.json, same names."""
+  patch_size: int = 1
+  in_channels: int = 64
+  out_channels: int = 64
+  num_layers: int = 19
+  num_single_layers: int = 38
+  attention_head_dim: int = 128
+  num_attention_heads: int = 24
+  joint_attention_dim: int = 4096
+  pooled_projection_dim: int = 768
+  guidance_embeds: bool = False
+  axes_dims_rope: Sequence[int] = (16, 56, 56)
+  mlp_ratio: float = 4.0  # fixed in diffusers; read from the shapes of a single file
+  timestep_dim: int = 256  # the sinusoid width, likewise
+
+  @property
+  def inner_dim(self):
+    return self.num_attention_heads * self.attention_head_dim
+
+
+STACKED = ("transformer_blocks", "single_transformer_blocks")
+DIFFUSERS_CLASS = "FluxTransformer2DModel"
+
+
+def config_from_diffusers(cfg: dict) -> FluxConfig:
+  fields = {f.name for f in dataclasses.fields(FluxConfig)}
+  kw = {k: v for k, v in cfg.items() if k in fields}
+  kw["axes_dims_rope"] = tuple(kw.get("axes_dims_rope", FluxConfig.axes_dims_rope))
+  kw["out_channels"] = kw.get("out_channels") or kw.get("in_channels", FluxConfig.in_channels)
+  return FluxConfig(**kw)
+
+
+def default_rope_axes(head_dim: int):
+  """FLUX.1 rotates 16 channels by the (unused) time id and splits the rest between rows and
+  columns: (16, 56, 56) at head_dim 128. Scaled the same way for smaller heads."""
+  t = head_dim // 8
+  hw = (head_dim - t) // 2
+  if head_dim % 8 or hw % 2 or t + 2 * hw != head_dim:
+    raise ValueError(f"cannot derive the RoPE axes for head_dim={head_dim}; pass axes_dims_rope")
+  return (t, hw, hw)
+
+
+def config_from_single_file(shapes: dict, axes_dims_rope=None) -> FluxConfig:
+  """Derives every hyperparameter from the tensor shapes of a BFL single file."""
+  inner, in_ch = shapes["img_in.weight"]
+  head_dim = shapes["double_blocks.0.img_attn.norm.query_norm.scale"][0]
+  count = lambda prefix: len({k.split(".")[1] for k in shapes if k.startswith(prefix + ".")})
+  return FluxConfig(
+      in_channels=in_ch,
+      out_channels=shapes["final_layer.linear.weight"][0],
+      num_layers=count("double_blocks"),
+      num_single_layers=count("single_blocks"),
+      attention_head_dim=head_dim,
+      num_attention_heads=inner // head_dim,
+      joint_attention_dim=shapes["txt_in.weight"][1],
+      pooled_projection_dim=shapes["vector_in.in_layer.weight"][1],
+      guidance_embeds="guidance_in.in_layer.weight" in shapes,
+      axes_dims_rope=tuple(axes_dims_rope or default_rope_axes(head_dim)),
+      mlp_ratio=shapes["double_blocks.0.img_mlp.0.weight"][0] / inner,
+      timestep_dim=shapes["time_in.in_layer.weight"][1],
+  )
+
+
+# BFL single-file module -> the diffusers module(s) it holds (fused ones split by rows).
+_D, _S = "double_blocks.{i}.", "single_blocks.{i}."
+_TD, _TS = "transformer_blocks.{i}.", "single_transformer_blocks.{i}."
+_NORM = dict(params=(("weight", "scale"),))
+SINGLE_FILE_TABLE = (
+    Row("img_in", ("x_embedder",)),
+    Row("txt_in", ("context_embedder",)),
+    Row("time_in.in_layer", ("time_text_embed.timestep_embedder.linear_1",)),
+    Row("time_in.out_layer", ("time_text_embed.timestep_embedder.linear_2",)),
+    Row("vector_in.in_layer", ("time_text_embed.text_embedder.linear_1",)),
+    Row("vector_in.out_layer", ("time_text_embed.text_embedder.linear_2",)),
+    Row("guidance_in.in_layer", ("time_text_embed.guidance_embedder.linear_1",)),
+    Row("guidance_in.out_layer", ("time_text_embed.guidance_embedder.linear_2",)),
+    Row(_D + "img_mod.lin", (_TD + "norm1.linear",)),
+    Row(_D + "txt_mod.lin", (_TD + "norm1_context.linear",)),
+    Row(_D + "img_attn.qkv", tuple(_TD + "attn.to_" + p for p in "qkv")),
+    Row(_D + "txt_attn.qkv", tuple(_TD + f"attn.add_{p}_proj" for p in "qkv")),
+    Row(_D + "img_attn.norm.query_norm", (_TD + "attn.norm_q",), **_NORM),
+    Row(_D + "img_attn.norm.key_norm", (_TD + "attn.norm_k",), **_NORM),
+    Row(_D + "txt_attn.norm.query_norm", (_TD + "attn.norm_added_q",), **_NORM),
+    Row(_D + "txt_attn.norm.key_norm", (_TD + "attn.norm_added_k",), **_NORM),
+    Row(_D + "img_attn.proj", (_TD + "attn.to_out.0",)),
+    Row(_D + "txt_attn.proj", (_TD + "attn.to_add_out",)),
+    Row(_D + "img_mlp.0", (_TD + "ff.net.0.proj",)),
+    Row(_D + "img_mlp.2", (_TD + "ff.net.2",)),
+    Row(_D + "txt_mlp.0", (_TD + "ff_context.net.0.proj",)),
+    Row(_D + "txt_mlp.2", (_TD + "ff_context.net.2",)),
+    Row(_S + "linear1", tuple(_TS + p for p in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))),
+    Row(_S + "linear2", (_TS + "proj_out",)),
+    Row(_S + "norm.query_norm", (_TS + "attn.norm_q",), **_NORM),
+    Row(_S + "norm.key_norm", (_TS + "attn.norm_k",), **_NORM),
+    Row(_S + "modulation.lin", (_TS + "norm.linear",)),
+    Row("final_layer.linear", ("proj_out",)),
+    # BFL orders the final modulation (shift, scale); diffusers' AdaLayerNormContinuous (scale, shift).
+    Row("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap_halves=True),
+)
+# A key that tells a BFL Flux file from other models' files; the prefixes ComfyUI-style files carry.
+SINGLE_FILE_SIGNATURE = "double_blocks.0.img_attn.qkv.weight"
+SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+
+class DoubleBlock(nn.Module):
+  """diffusers `FluxTransformerBlock`: separate weights for the image and text streams, joint
+  attention over [text; image]."""
+  cfg: FluxConfig
+  attention_impl: Optional[str] = None
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, carry, temb, rope):
+    img, txt = carry
+    c, kw = self.cfg, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    mod = layers.AdaLNModulation(c.inner_dim, 6, name="norm1", **kw)(temb)
+    cmod = layers.AdaLNModulation(c.inner_dim, 6, name="norm1_context", **kw)(temb)
+    img_attn, txt_attn = layers.Attention(
+        c.num_attention_heads, c.attention_head_dim, implementation=self.attention_impl,
+        name="attn", **kw)(layers.modulate(layers.layer_norm(img), mod[0], mod[1]), rope,
+                           context=layers.modulate(layers.layer_norm(txt), cmod[0], cmod[1]))
+    img = self._residual_mlp(img, img_attn, mod, "ff")
+    txt = self._residual_mlp(txt, txt_attn, cmod, "ff_context")
+    return (img, txt), None
+
+  def _residual_mlp(self, x, attn_out, mod, name):
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod
+    x = x + gate_msa[:, None] * attn_out
+    ff = layers.FeedForward(self.cfg.inner_dim, self.cfg.mlp_ratio, name=name, dtype=self.dtype,
+                            param_dtype=self.param_dtype)
+    return x + gate_mlp[:, None] * ff(layers.modulate(layers.layer_norm(x), shift_mlp, scale_mlp))
+
+
+class SingleBlock(nn.Module):
+  """diffusers `FluxSingleTransformerBlock` on the concatenated [text; image] sequence: parallel
+  attention and MLP branches, fused by `proj_out`."""
+  cfg: FluxConfig
+  attention_impl: Optional[str] = None
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, temb, rope):
+    c, kw = self.cfg, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    shift, scale, gate = layers.AdaLNModulation(c.inner_dim, 3, name="norm", **kw)(temb)
+    h = layers.modulate(layers.layer_norm(x), shift, scale)
+    mlp = nn.gelu(Linear(int(c.inner_dim * c.mlp_ratio), name="proj_mlp", **kw)(h), approximate=True)
+    attn = layers.Attention(c.num_attention_heads, c.attention_head_dim, pre_only=True,
+                            implementation=self.attention_impl, name="attn", **kw)(h, rope)
+    out = Linear(c.inner_dim, name="proj_out", **kw)(jnp.concatenate([attn, mlp], axis=-1))
+    return x + gate[:, None] * out, None
+
+
+def _stack(block, length, name, **kw):
+  """`length` copies of `block` with parameters stacked on a leading axis, run by lax.scan."""
+  scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                    in_axes=(nn.broadcast, nn.broadcast), length=length)
+  return scanned(name=name, **kw)
+
+
+class Flux(nn.Module):
+  """The transformer. Inputs have diffusers' names and meanings; see `__call__`."""
+  cfg: FluxConfig
+  attention_impl: Optional[str] = None
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
+               img_ids, txt_ids, guidance=None):
+    """hidden_states [B, L, C] packed latents; encoder_hidden_states [B, T, joint_dim];
+    pooled_projections [B, pooled_dim]; timestep [B] in [0, 1]; img_ids [L, 3]; txt_ids [T, 3];
+    guidance [B] (dev only). Returns the prediction [B, L, C_out]."""
+    c = self.cfg
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    block_kw = dict(cfg=c, attention_impl=self.attention_impl, **kw)
+    img = Linear(c.inner_dim, name="x_embedder", **kw)(hidden_states.astype(self.dtype))
+    txt = Linear(c.inner_dim, name="context_embedder", **kw)(encoder_hidden_states.astype(self.dtype))
+
+    # Times are scaled x1000 in the compute dtype first, as diffusers does (bf16 rounds them).
+    sinusoids = lambda v: layers.timestep_sinusoids(
+        v.astype(self.dtype) * 1000, c.timestep_dim).astype(self.dtype)
+    temb = layers.MLPEmbedder(c.inner_dim, name="time_text_embed.timestep_embedder", **kw)(
+        sinusoids(timestep))
+    if c.guidance_embeds:
+      temb += layers.MLPEmbedder(c.inner_dim, name="time_text_embed.guidance_embedder", **kw)(
+          sinusoids(guidance))
+    temb += layers.MLPEmbedder(c.inner_dim, name="time_text_embed.text_embedder", **kw)(
+        pooled_projections)
+
+    rope = layers.rope_tables(jnp.concatenate([txt_ids, img_ids], axis=0), c.axes_dims_rope, 10000.0)
+    (img, txt), _ = _stack(DoubleBlock, c.num_layers, "transformer_blocks", **block_kw)(
+        (img, txt), temb, rope)
+    x, _ = _stack(SingleBlock, c.num_single_layers, "single_transformer_blocks", **block_kw)(
+        jnp.concatenate([txt, img], axis=1), temb, rope)
+    img = x[:, txt.shape[1]:]
+
+    scale, shift = layers.AdaLNModulation(c.inner_dim, 2, name="norm_out", **kw)(temb)
+    out_dim = c.patch_size ** 2 * c.out_channels
+    return Linear(out_dim, name="proj_out", **kw)(layers.modulate(layers.layer_norm(img), shift, scale))
+
+
+def check_inputs(cfg: FluxConfig, inputs: dict) -> dict:
+  """Validates the named inputs of a forward call, with errors that say what to pass."""
+  required = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep",
+              "img_ids", "txt_ids")
+  missing = [k for k in required if inputs.get(k) is None]
+  unknown = sorted(set(inputs) - set(required) - {"guidance"})
+  if missing or unknown:
+    raise TypeError(f"Flux inputs: missing {missing}, unexpected {unknown}; expected {required} "
+                    "and `guidance` (FLUX.1-dev only)")
+  if cfg.guidance_embeds and inputs.get("guidance") is None:
+    raise ValueError("this Flux checkpoint has a guidance embedding (FLUX.1-dev): pass `guidance` "
+                     "[B], e.g. 1.0 for training or the distilled CFG scale (3.5) for sampling")
+  if not cfg.guidance_embeds and inputs.get("guidance") is not None:
+    raise ValueError("this Flux checkpoint has no guidance embedding (FLUX.1-schnell): "
+                     "pass guidance=None")
+  out = dict(inputs)
+  for k in ("img_ids", "txt_ids"):  # diffusers' deprecated batched ids: all rows are equal
+    if out[k].ndim == 3:
+      out[k] = out[k][0]
+  out["timestep"] = jnp.broadcast_to(jnp.asarray(out["timestep"]), out["hidden_states"].shape[:1])
+  if out.get("guidance") is not None:
+    out["guidance"] = jnp.broadcast_to(jnp.asarray(out["guidance"]), out["hidden_states"].shape[:1])
+  return out
+
+
+def make_module(cfg: FluxConfig, dtype, param_dtype, attention_impl):
+  return Flux(cfg, attention_impl=attention_impl, dtype=dtype, param_dtype=param_dtype)
+
+
+def dummy_inputs(cfg: FluxConfig, batch=1, img_len=4, txt_len=3):
+  """Smallest inputs of the right structure, for `jax.eval_shape` of `init`."""
+  f = jnp.float32
+  return dict(
+      hidden_states=jnp.zeros((batch, img_len, cfg.in_channels * cfg.patch_size ** 2), f),
+      encoder_hidden_states=jnp.zeros((batch, txt_len, cfg.joint_attention_dim), f),
+      pooled_projections=jnp.zeros((batch, cfg.pooled_projection_dim), f),
+      timestep=jnp.zeros((batch,), f),
+      img_ids=jnp.zeros((img_len, 3), f), txt_ids=jnp.zeros((txt_len, 3), f),
+      guidance=jnp.zeros((batch,), f) if cfg.guidance_embeds else None)

@@ -1,0 +1,175 @@
+"""Building blocks shared by the diffusion transformers (Flux, LTX-Video, HunyuanVideo).
+
+Module and parameter names mirror the diffusers modules they reimplement (`to_q`, `norm_q`,
+`linear_1`, `net.0.proj`, ...), so that a Flax path joined with "." is the diffusers key and
+checkpoint conversion is a naming rule plus a small table (see `diffpipe_jax.convert`).
+
+Every module takes `dtype` (compute) and `param_dtype` (storage). Norms, RoPE and the
+timestep sinusoids are computed in float32 whatever the compute dtype, as diffusers does.
+"""
+import math
+from typing import Any, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = Any
+
+
+class Linear(nn.Dense):
+  """`torch.nn.Linear` with a Flax (in, out) kernel."""
+
+
+def layer_norm(x, eps=1e-6):
+  """LayerNorm without affine parameters, in float32."""
+  x32 = x.astype(jnp.float32)
+  mean = x32.mean(-1, keepdims=True)
+  var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+  return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def modulate(x, shift, scale):
+  """AdaLN: x * (1 + scale) + shift, with per-sample [B, D] shift and scale."""
+  return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class RMSNorm(nn.Module):
+  """`torch.nn.RMSNorm` over the last axis; parameter `weight` as in torch."""
+  eps: float = 1e-6
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+    return (x32 * weight.astype(jnp.float32)).astype(self.dtype)
+
+
+class AdaLNModulation(nn.Module):
+  """`linear(silu(emb))` split into `num_chunks` [B, D] tensors (diffusers' `norm*.linear`)."""
+  dim: int
+  num_chunks: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, emb):
+    out = Linear(self.num_chunks * self.dim, dtype=self.dtype, param_dtype=self.param_dtype,
+                 name="linear")(nn.silu(emb))
+    return jnp.split(out, self.num_chunks, axis=-1)
+
+
+def timestep_sinusoids(t, dim=256, max_period=10000.0):
+  """diffusers `get_timestep_embedding(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0)`."""
+  half = dim // 2
+  # Computed in float32 in the same order as diffusers: the arguments reach 1000 rad, so a
+  # frequency one ulp away from torch's already shows as 1e-6 of output error.
+  freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
+  args = t.astype(jnp.float32)[:, None] * freqs[None]
+  return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+class MLPEmbedder(nn.Module):
+  """linear_1 -> SiLU -> linear_2 (diffusers `TimestepEmbedding`, `PixArtAlphaTextProjection`)."""
+  dim: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    x = Linear(self.dim, name="linear_1", **kw)(x.astype(self.dtype))
+    return Linear(self.dim, name="linear_2", **kw)(nn.silu(x))
+
+
+class FeedForward(nn.Module):
+  """diffusers `FeedForward(activation_fn="gelu-tanh")`: net.0.proj -> GELU(tanh) -> net.2."""
+  dim: int
+  mult: float = 4.0
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    h = Linear(int(self.dim * self.mult), name="net.0.proj", **kw)(x)
+    return Linear(self.dim, name="net.2", **kw)(nn.gelu(h, approximate=True))
+
+
+def rope_tables(ids, axes_dims: Sequence[int], theta: float):
+  """Rotary tables for n-D integer positions ids [S, n]: (cos, sin), each [S, sum(axes_dims)].
+
+  Each axis i rotates `axes_dims[i]` channels as interleaved pairs (diffusers
+  `get_1d_rotary_pos_embed(..., repeat_interleave_real=True, use_real=True)`).
+  """
+  cos, sin = [], []
+  for axis, dim in enumerate(axes_dims):
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    angles = ids[:, axis].astype(jnp.float32)[:, None] * inv_freq[None]
+    cos.append(jnp.repeat(jnp.cos(angles), 2, axis=-1))
+    sin.append(jnp.repeat(jnp.sin(angles), 2, axis=-1))
+  return jnp.concatenate(cos, -1), jnp.concatenate(sin, -1)
+
+
+def apply_rope(x, rope):
+  """Rotate interleaved channel pairs of x [B, S, N, H] by tables [S, H]; float32 math."""
+  cos, sin = (t[None, :, None, :] for t in rope)
+  x32 = x.astype(jnp.float32)
+  pairs = x32.reshape(*x.shape[:-1], -1, 2)
+  rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+  return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def attention(q, k, v, implementation: Optional[str] = None):
+  """Softmax attention on [B, S, N, H] tensors: cuDNN flash attention on GPU, XLA elsewhere."""
+  return jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+
+
+def default_attention_implementation(dtype) -> Optional[str]:
+  """cuDNN's fused kernel where it applies (GPU, 16-bit); XLA's otherwise."""
+  if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+    return "cudnn"
+  return None
+
+
+class Attention(nn.Module):
+  """diffusers-style attention: `to_q/k/v`, per-head `norm_q/k` RMSNorm, RoPE, optional joint
+  text stream (`add_{q,k,v}_proj`, `norm_added_{q,k}`, `to_add_out`) concatenated in front of the
+  main stream, and an optional output projection `to_out.0` (absent in `pre_only` blocks).
+
+  Returns the main stream's output, or (main, context) when `context` is given.
+  """
+  heads: int
+  head_dim: int
+  pre_only: bool = False
+  implementation: Optional[str] = None
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  def _project(self, x, names):
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    q, k, v = (Linear(self.heads * self.head_dim, name=n, **kw)(x).reshape(
+        *x.shape[:-1], self.heads, self.head_dim) for n in names[:3])
+    q = RMSNorm(name=names[3], **kw)(q)
+    k = RMSNorm(name=names[4], **kw)(k)
+    return q, k, v
+
+  @nn.compact
+  def __call__(self, x, rope, context=None):
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    q, k, v = self._project(x, ("to_q", "to_k", "to_v", "norm_q", "norm_k"))
+    if context is not None:
+      cq, ck, cv = self._project(
+          context, ("add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k"))
+      q, k, v = (jnp.concatenate(p, axis=1) for p in ((cq, q), (ck, k), (cv, v)))
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
+    out = attention(q, k, v, self.implementation)
+    out = out.reshape(*out.shape[:2], self.heads * self.head_dim)
+    if context is None:
+      return out if self.pre_only else Linear(x.shape[-1], name="to_out.0", **kw)(out)
+    ctx_out, out = out[:, :context.shape[1]], out[:, context.shape[1]:]
+    return (Linear(x.shape[-1], name="to_out.0", **kw)(out),
+            Linear(context.shape[-1], name="to_add_out", **kw)(ctx_out))

@@ -1,0 +1,1 @@
+"""Device mesh ('data', 'stage') and sharding policies: lands with data and pipeline parallelism."""

@@ -1,0 +1,17 @@
+"""The GPU benchmark scripts run end to end on a tiny shape (CPU): the benchmark is not a test,
+but a broken benchmark script should not wait for a GPU session to be found."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_flux_forward_benchmark_smoke(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "flux_forward.py"), "--smoke",
+                        "--workdir", str(tmp_path)], env=env, check=True, stdout=subprocess.PIPE,
+                       text=True).stdout
+  assert "load from diffusers folder (s)" in out
+  err = float(out.split("rel. error vs diffusers bf16")[1].split("|")[2])
+  assert err < 2e-2, out
