@@ -12,7 +12,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -37,21 +36,6 @@ def checkpoint_path(model_config):
   return path
 
 
-def random_inputs(cfg, resolution, text_tokens, seed):
-  """Packed latents of a `resolution`^2 image (VAE /8, 2x2 packing) and random text states."""
-  h = w = resolution // 16
-  rng = np.random.default_rng(seed)
-  ids = np.zeros((h, w, 3), np.float32)
-  ids[..., 1], ids[..., 2] = np.arange(h)[:, None], np.arange(w)[None, :]
-  return dict(
-      hidden_states=rng.standard_normal((1, h * w, cfg.in_channels), np.float32),
-      encoder_hidden_states=rng.standard_normal((1, text_tokens, cfg.joint_attention_dim), np.float32),
-      pooled_projections=rng.standard_normal((1, cfg.pooled_projection_dim), np.float32),
-      timestep=np.array([0.5], np.float32), img_ids=ids.reshape(-1, 3),
-      txt_ids=np.zeros((text_tokens, 3), np.float32),
-      guidance=np.array([1.0], np.float32) if cfg.guidance_embeds else None)
-
-
 def main(argv):
   del argv
   config = FLAGS.config
@@ -68,7 +52,8 @@ def main(argv):
   n_params = sum(x.size for x in jax.tree.leaves(model.params))
   print(f"loaded {config.model.type} ({n_params / 1e6:.1f}M parameters) from {path} "
         f"in {time.perf_counter() - t0:.1f}s")
-  inputs = random_inputs(model.config, config.resolution, config.text_tokens, config.seed)
+  grid = config.resolution // 16  # VAE /8, then 2x2 packing
+  inputs = model.family.random_inputs(model.config, 1, grid, grid, config.text_tokens, config.seed)
   t0 = time.perf_counter()
   out = jax.block_until_ready(model(**inputs))
   print(f"forward (with compile): {time.perf_counter() - t0:.2f}s, output {out.shape} {out.dtype}")

@@ -29,18 +29,6 @@ SMOKE = dict(FLUX_DEV, num_layers=2, num_single_layers=2, attention_head_dim=32,
              axes_dims_rope=(4, 14, 14))
 
 
-def make_inputs(cfg, res, txt):
-  h = w = res // 16
-  rng = np.random.default_rng(0)
-  ids = np.zeros((h, w, 3), np.float32)
-  ids[..., 1], ids[..., 2] = np.arange(h)[:, None], np.arange(w)[None, :]
-  return dict(hidden_states=rng.standard_normal((1, h * w, cfg["in_channels"]), np.float32),
-              encoder_hidden_states=rng.standard_normal((1, txt, cfg["joint_attention_dim"]), np.float32),
-              pooled_projections=rng.standard_normal((1, cfg["pooled_projection_dim"]), np.float32),
-              timestep=np.array([0.5], np.float32), guidance=np.array([1.0], np.float32),
-              img_ids=ids.reshape(-1, 3), txt_ids=np.zeros((txt, 3), np.float32))
-
-
 def median_time(fn, sync, warmup=2, reps=10):
   """Median wall time of `sync(fn())`."""
   for _ in range(warmup):
@@ -64,7 +52,9 @@ def torch_stage(a, cfg):
   t0 = time.perf_counter()
   model.save_pretrained(os.path.join(a.workdir, "transformer"), max_shard_size="10GB")
   save_s = time.perf_counter() - t0
-  inputs = make_inputs(cfg, a.res, a.txt)
+  from diffpipe_jax.models import flux
+  inputs = flux.random_inputs(flux.config_from_diffusers(cfg), 1, a.res // 16, a.res // 16, a.txt)
+  inputs.update(timestep=np.array([0.5], np.float32), guidance=np.array([1.0], np.float32))
   np.savez(os.path.join(a.workdir, "inputs.npz"), **inputs)
   t_in = {k: torch.from_numpy(v).to(dev, torch.bfloat16) for k, v in inputs.items()}
   ctx = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if dev == "cuda" else torch.no_grad()

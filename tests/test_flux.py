@@ -11,9 +11,14 @@ import torch
 from diffpipe_jax import models, tiny
 from diffpipe_jax.convert import CheckpointError, table
 from diffpipe_jax.models import flux
-from conftest import flux_inputs
 
 LAYOUTS = ("diffusers", "diffusers_sharded", "bfl", "bfl_prefixed")
+DEV = flux.config_from_diffusers(tiny.TINY_FLUX)
+
+
+def flux_inputs(batch, h, w, txt_len, guidance, seed=0):
+  inputs = flux.random_inputs(DEV, batch, h, w, txt_len, seed)
+  return inputs if guidance else {**inputs, "guidance": None}
 
 
 def rel_err(a, b):

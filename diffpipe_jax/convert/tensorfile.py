@@ -87,9 +87,6 @@ class TensorFiles:
     raw = self._maps[path][offset + start:offset + stop]
     return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
-  def close(self):
-    self._maps.clear()
-
 
 def common_prefix(keys, candidates: Iterable[str]) -> str:
   """The first candidate prefix that every key carries ("" if none does)."""

@@ -1,7 +1,7 @@
 """Model families and the public entry point `load(name, path, dtype=...)`.
 
 A family is a module (e.g. `models/flux.py`) that provides its config (`config_from_diffusers`,
-`config_from_single_file`), `make_module`, `dummy_inputs`, `check_inputs`, the names of its
+`config_from_single_file`), `make_module`, `random_inputs`, `check_inputs`, the names of its
 stacked block groups (`STACKED`) and its single-file conversion table. Adding a model is adding a
 file and a row here.
 """
@@ -42,7 +42,7 @@ class Model:
 
 def abstract_params(fam, module, config):
   """Parameter shapes and dtypes of `module`, computed without allocating anything."""
-  dummy = fam.dummy_inputs(config)
+  dummy = fam.random_inputs(config)
   return jax.eval_shape(lambda: module.init(jax.random.key(0), **dummy))["params"]
 
 

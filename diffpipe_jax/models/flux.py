@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from diffpipe_jax.convert.table import Row
 from diffpipe_jax.models import layers
@@ -253,13 +254,22 @@ def make_module(cfg: FluxConfig, dtype, param_dtype, attention_impl):
   return Flux(cfg, attention_impl=attention_impl, dtype=dtype, param_dtype=param_dtype)
 
 
-def dummy_inputs(cfg: FluxConfig, batch=1, img_len=4, txt_len=3):
-  """Smallest inputs of the right structure, for `jax.eval_shape` of `init`."""
-  f = jnp.float32
+def image_ids(height: int, width: int) -> np.ndarray:
+  """Position ids [h*w, 3] of a packed latent grid: (0, row, column), as FluxPipeline makes them."""
+  ids = np.zeros((height, width, 3), np.float32)
+  ids[..., 1] = np.arange(height)[:, None]
+  ids[..., 2] = np.arange(width)[None, :]
+  return ids.reshape(-1, 3)
+
+
+def random_inputs(cfg: FluxConfig, batch=1, height=2, width=2, txt_len=3, seed=0) -> dict:
+  """Random forward inputs for a packed latent grid of height x width tokens (numpy float32)."""
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
   return dict(
-      hidden_states=jnp.zeros((batch, img_len, cfg.in_channels * cfg.patch_size ** 2), f),
-      encoder_hidden_states=jnp.zeros((batch, txt_len, cfg.joint_attention_dim), f),
-      pooled_projections=jnp.zeros((batch, cfg.pooled_projection_dim), f),
-      timestep=jnp.zeros((batch,), f),
-      img_ids=jnp.zeros((img_len, 3), f), txt_ids=jnp.zeros((txt_len, 3), f),
-      guidance=jnp.zeros((batch,), f) if cfg.guidance_embeds else None)
+      hidden_states=normal(batch, height * width, cfg.in_channels * cfg.patch_size ** 2),
+      encoder_hidden_states=normal(batch, txt_len, cfg.joint_attention_dim),
+      pooled_projections=normal(batch, cfg.pooled_projection_dim),
+      timestep=rng.uniform(0.05, 1.0, batch).astype(np.float32),
+      img_ids=image_ids(height, width), txt_ids=np.zeros((txt_len, 3), np.float32),
+      guidance=rng.uniform(1.0, 5.0, batch).astype(np.float32) if cfg.guidance_embeds else None)
