@@ -43,6 +43,9 @@ class FluxConfig:
 
 
 STACKED = ("transformer_blocks", "single_transformer_blocks")
+# diffusion-pipe's LoRA targets: every Linear inside the blocks, AdaLN modulation included.
+LORA_TARGETS = (r"transformer_blocks\..*", r"single_transformer_blocks\..*")
+LORA_PREFIX = "transformer."  # the key prefix that diffusers' and ComfyUI's Flux loaders expect
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 
 
@@ -178,7 +181,7 @@ class SingleBlock(nn.Module):
 
 def _stack(block, length, name, **kw):
   """`length` copies of `block` with parameters stacked on a leading axis, run by lax.scan."""
-  scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+  scanned = nn.scan(block, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True},
                     in_axes=(nn.broadcast, nn.broadcast), length=length)
   return scanned(name=name, **kw)
 

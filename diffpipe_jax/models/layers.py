@@ -17,8 +17,28 @@ import jax.numpy as jnp
 Dtype = Any
 
 
-class Linear(nn.Dense):
-  """`torch.nn.Linear` with a Flax (in, out) kernel."""
+class Linear(nn.Module):
+  """`torch.nn.Linear` with a Flax (in, out) kernel, plus a LoRA when the variables hold one.
+
+  The LoRA lives in its own collection, `lora/.../lora_A` [in, r] and `lora_B` [r, out] (alpha =
+  r, so scale 1), so base weights and adapter are separate trees: only the adapter is
+  differentiated and optimised. See `diffpipe_jax.lora`.
+  """
+  features: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+                        self.param_dtype)
+    bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+    x = x.astype(self.dtype)
+    y = x @ kernel.astype(self.dtype) + bias.astype(self.dtype)
+    if self.has_variable("lora", "lora_A"):
+      a, b = self.get_variable("lora", "lora_A"), self.get_variable("lora", "lora_B")
+      y = y + (x @ a.astype(self.dtype)) @ b.astype(self.dtype)
+    return y
 
 
 def layer_norm(x, eps=1e-6):

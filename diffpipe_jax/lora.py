@@ -1,0 +1,115 @@
+"""LoRA adapters as data: which Linear layers get one, their initialisation, and their export to
+(and import from) the diffusers/PEFT safetensors format that ComfyUI and diffusers load.
+
+Targets are regular expressions over module names in diffusers spelling without block indices
+(`transformer_blocks.attn.to_q`, `single_transformer_blocks.proj_mlp`); every pattern must match
+at least one Linear, so a typo is an error rather than a silently smaller adapter. The exported
+names come from the same Flax <-> diffusers naming rule that loads the base weights.
+"""
+import json
+import os
+import re
+import shutil
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffpipe_jax.convert import table
+from diffpipe_jax.convert.tensorfile import CheckpointError, TensorFiles, write_atomic
+
+WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+
+
+def linear_modules(abstract_params) -> dict:
+  """Module name ("transformer_blocks.attn.to_out.0") -> (param path, kernel) of every Linear."""
+  return {".".join(path[:-1]): (path[:-1], leaf)
+          for path, leaf in table.flatten(abstract_params).items() if path[-1] == "kernel"}
+
+
+def select_targets(abstract_params, patterns: Sequence[str]) -> list:
+  """The Linear modules matched by `patterns` (full-match regexes); each must match something."""
+  names = linear_modules(abstract_params)
+  unmatched = [p for p in patterns if not any(re.fullmatch(p, n) for n in names)]
+  if unmatched:
+    raise ValueError(f"adapter target pattern(s) {unmatched} match no Linear layer; Linear layers "
+                     f"are named like {sorted(names)[:6]}")
+  return sorted(n for n in names if any(re.fullmatch(p, n) for p in patterns))
+
+
+def init(abstract_params, patterns: Sequence[str], rank: int, dtype, key) -> dict:
+  """A = U(-1/sqrt(in), 1/sqrt(in)) as PEFT's default, B = 0: training starts at the base model."""
+  modules = linear_modules(abstract_params)
+  targets = select_targets(abstract_params, patterns)
+  flat = {}
+  for name, k in zip(targets, jax.random.split(key, len(targets))):
+    path, kernel = modules[name]
+    *lead, d_in, d_out = kernel.shape
+    bound = 1.0 / np.sqrt(d_in)
+    flat[path + ("lora_A",)] = jax.random.uniform(k, (*lead, d_in, rank), dtype, -bound, bound)
+    flat[path + ("lora_B",)] = jnp.zeros((*lead, rank, d_out), dtype)
+  return table.unflatten(flat)
+
+
+def to_torch(lora, stacked: Sequence[str], prefix: str) -> dict:
+  """Our adapter -> {f"{prefix}{diffusers module}.lora_A.weight": (r, in), ...lora_B: (out, r)}."""
+  out = {}
+  for path, value in table.flatten(lora).items():
+    value = np.asarray(jax.device_get(value))
+    for i in range(value.shape[0]) if table.is_stacked(path, stacked) else [None]:
+      out[f"{prefix}{table.diffusers_key(path, i)}.weight"] = (value if i is None else value[i]).T
+  return out
+
+
+def from_torch(tensors: Mapping[str, np.ndarray], abstract_lora, stacked: Sequence[str], prefix: str):
+  """The inverse of `to_torch`, checked: every expected key present, with its shape, none left."""
+  flat, used, problems = {}, set(), []
+  for path, leaf in table.flatten(abstract_lora).items():
+    layers = range(leaf.shape[0]) if table.is_stacked(path, stacked) else [None]
+    parts = []
+    for i in layers:
+      key = f"{prefix}{table.diffusers_key(path, i)}.weight"
+      want = (leaf.shape[1:] if i is not None else leaf.shape)[::-1]
+      if key not in tensors:
+        problems.append(f"missing {key}")
+      elif tuple(tensors[key].shape) != tuple(want):
+        problems.append(f"{key}: file {tuple(tensors[key].shape)}, adapter {tuple(want)}")
+      else:
+        parts.append(np.asarray(tensors[key], np.float32).T)
+        used.add(key)
+    if len(parts) == len(layers):
+      flat[path] = jnp.asarray(np.stack(parts) if layers != [None] else parts[0], leaf.dtype)
+  problems += [f"unexpected {k}" for k in sorted(set(tensors) - used)]
+  if problems:
+    raise CheckpointError("the LoRA file does not match this adapter (rank and targets must be "
+                          "the same):\n  " + "\n  ".join(problems[:20]))
+  return table.unflatten(flat)
+
+
+def save(lora, directory: str, stacked: Sequence[str], prefix: str, rank: int, save_dtype):
+  """Writes `directory/pytorch_lora_weights.safetensors` (+ PEFT `adapter_config.json`) through a
+  temporary directory renamed into place, so a crash never leaves half an adapter."""
+  tensors = {k: v.astype(save_dtype) for k, v in to_torch(lora, stacked, prefix).items()}
+  modules = sorted({k[len(prefix):].rsplit(".lora_", 1)[0] for k in tensors})
+  config = dict(peft_type="LORA", r=rank, lora_alpha=rank, target_modules=modules, lora_dropout=0.0,
+                bias="none", use_dora=False, use_rslora=False, init_lora_weights=True,
+                fan_in_fan_out=False, modules_to_save=None, rank_pattern={}, alpha_pattern={},
+                task_type=None, base_model_name_or_path=None)
+  tmp = directory.rstrip("/") + ".tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  write_atomic(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
+  with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  shutil.rmtree(directory, ignore_errors=True)
+  os.replace(tmp, directory)
+  return os.path.join(directory, WEIGHTS_NAME)
+
+
+def load(path: str, abstract_lora, stacked: Sequence[str], prefix: str):
+  """Reads an adapter written by `save` (a directory or the .safetensors file itself)."""
+  if os.path.isdir(path):
+    path = os.path.join(path, WEIGHTS_NAME)
+  files = TensorFiles([path])
+  return from_torch({k: files[k] for k in files.keys()}, abstract_lora, stacked, prefix)
