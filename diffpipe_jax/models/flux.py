@@ -257,6 +257,16 @@ def make_module(cfg: FluxConfig, dtype, param_dtype, attention_impl):
   return Flux(cfg, attention_impl=attention_impl, dtype=dtype, param_dtype=param_dtype)
 
 
+def training_inputs(cfg: FluxConfig, batch: dict, noisy, t, guidance: float) -> dict:
+  """Model inputs for a batch of cached samples: packed latents [B, L, C] (here already noised),
+  T5 states `text` [B, T, D], CLIP `pooled` [B, D'], position ids `img_ids` [B, L, 3]."""
+  n = noisy.shape[0]
+  return dict(hidden_states=noisy, encoder_hidden_states=batch["text"],
+              pooled_projections=batch["pooled"], timestep=t, img_ids=batch["img_ids"][0],
+              txt_ids=jnp.zeros((batch["text"].shape[1], 3), jnp.float32),
+              guidance=jnp.full((n,), guidance, jnp.float32) if cfg.guidance_embeds else None)
+
+
 def image_ids(height: int, width: int) -> np.ndarray:
   """Position ids [h*w, 3] of a packed latent grid: (0, row, column), as FluxPipeline makes them."""
   ids = np.zeros((height, width, 3), np.float32)

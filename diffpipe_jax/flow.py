@@ -1,0 +1,43 @@
+"""The flow-matching training objective shared by Flux, LTX-Video and HunyuanVideo.
+
+x_t = (1 - t) x_0 + t * noise, the model predicts the velocity noise - x_0, loss = fp32 MSE.
+Timesteps follow diffusion-pipe's options: logit-normal or uniform, then an optional shift.
+"""
+import jax
+import jax.numpy as jnp
+
+
+def flux_shift_mu(image_tokens):
+  """FLUX's resolution-dependent shift: mu linear in image tokens, 0.5 at 256 to 1.15 at 4096."""
+  return 0.5 + (1.15 - 0.5) * (image_tokens - 256) / (4096 - 256)
+
+
+def shift_timesteps(t, shift=1.0, flux_shift=False, image_tokens=None):
+  """t' = s t / (1 + (s - 1) t); with flux_shift, t' = e^mu / (e^mu + 1/t - 1) instead."""
+  if flux_shift:
+    e_mu = jnp.exp(flux_shift_mu(image_tokens))
+    return e_mu / (e_mu + 1 / t - 1)
+  return shift * t / (1 + (shift - 1) * t)
+
+
+def sample_timesteps(key, batch, method="logit_normal", sigmoid_scale=1.0, **shift_kw):
+  if method == "logit_normal":
+    t = jax.nn.sigmoid(jax.random.normal(key, (batch,)) * sigmoid_scale)
+  elif method == "uniform":
+    t = jax.random.uniform(key, (batch,))
+  else:
+    raise ValueError(f"model.timestep_sample_method={method!r}; use 'logit_normal' or 'uniform'")
+  return shift_timesteps(t, **shift_kw)
+
+
+def noisy_latents(latents, noise, t):
+  t = t.reshape(-1, *[1] * (latents.ndim - 1)).astype(latents.dtype)
+  return (1 - t) * latents + t * noise
+
+
+def mse(pred, target, mask=None):
+  """fp32 mean squared error; with a [B, L] token mask, normalised by the mask's mean."""
+  err = jnp.square(pred.astype(jnp.float32) - target.astype(jnp.float32)).mean(-1)
+  if mask is None:
+    return err.mean()
+  return (err * mask).mean() / jnp.maximum(mask.mean(), 1e-8)
