@@ -57,8 +57,6 @@ def main(argv):
   if config is None:
     raise app.UsageError("pass --config configs/flux.py[:variant]")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  if config.adapter.dropout:
-    raise app.UsageError("adapter.dropout > 0 is not supported yet; set it to 0")
 
   # ---------------------------------------------------------------- run directory
   resume = FLAGS.resume_from_checkpoint

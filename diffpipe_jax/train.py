@@ -11,13 +11,14 @@ def loss_fn(adapter, params, batch, key, *, model, config):
   """Flow-matching loss of one micro-batch; differentiated with respect to `adapter` only."""
   m = config.model
   latents = batch["latents"]
-  k_t, k_noise = jax.random.split(key)
+  k_t, k_noise, k_dropout = jax.random.split(key, 3)
   t = flow.sample_timesteps(k_t, latents.shape[0], m.timestep_sample_method, m.sigmoid_scale,
                             shift=m.shift, flux_shift=m.flux_shift, image_tokens=latents.shape[1])
   noise = jax.random.normal(k_noise, latents.shape, latents.dtype)
   inputs = model.family.training_inputs(model.config, batch, flow.noisy_latents(latents, noise, t),
                                         t, m.guidance)
-  pred = model.module.apply({"params": params, "lora": adapter}, **inputs)
+  module = model.module.clone(lora_dropout=config.adapter.dropout)
+  pred = module.apply({"params": params, "lora": adapter}, **inputs, rngs={"dropout": k_dropout})
   return flow.mse(pred, noise - latents, batch.get("mask"))
 
 

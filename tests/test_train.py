@@ -84,6 +84,17 @@ def test_trained_lora_exports_to_diffusers(dev, tmp_path):
   assert np.linalg.norm(ours - after) / np.linalg.norm(after) < 1e-4
 
 
+def test_lora_dropout_acts_in_training_only(dev):
+  _, model = dev
+  adapter = lora.init(model.params, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
+  adapter = jax.tree.map(lambda x: x + 0.1, adapter)  # non-zero B
+  batch = jax.tree.map(jnp.asarray, data.SyntheticDataset(flux, model.config, 2, 3, 4).batch(0, 0, 2))
+  loss = lambda rate, seed: float(train.loss_fn(adapter, model.params, batch, jax.random.key(seed),
+                                                model=model, config=tiny_config(**{"adapter.dropout": rate})))
+  assert loss(0.5, 0) != loss(0.0, 0)  # same noise and t, dropped LoRA inputs
+  assert loss(0.0, 0) == loss(0.0, 0)
+
+
 def read_metrics(run_dir):
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]

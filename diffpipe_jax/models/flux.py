@@ -17,7 +17,7 @@ import numpy as np
 
 from diffpipe_jax.convert.table import Row
 from diffpipe_jax.models import layers
-from diffpipe_jax.models.layers import Dtype, Linear
+from diffpipe_jax.models.layers import Linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,18 +129,16 @@ SINGLE_FILE_SIGNATURE = "double_blocks.0.img_attn.qkv.weight"
 SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 
-class DoubleBlock(nn.Module):
+class DoubleBlock(layers.Module):
   """diffusers `FluxTransformerBlock`: separate weights for the image and text streams, joint
   attention over [text; image]."""
   cfg: FluxConfig
   attention_impl: Optional[str] = None
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, carry, temb, rope):
     img, txt = carry
-    c, kw = self.cfg, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    c, kw = self.cfg, self.kw
     mod = layers.AdaLNModulation(c.inner_dim, 6, name="norm1", **kw)(temb)
     cmod = layers.AdaLNModulation(c.inner_dim, 6, name="norm1_context", **kw)(temb)
     img_attn, txt_attn = layers.Attention(
@@ -154,22 +152,19 @@ class DoubleBlock(nn.Module):
   def _residual_mlp(self, x, attn_out, mod, name):
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod
     x = x + gate_msa[:, None] * attn_out
-    ff = layers.FeedForward(self.cfg.inner_dim, self.cfg.mlp_ratio, name=name, dtype=self.dtype,
-                            param_dtype=self.param_dtype)
+    ff = layers.FeedForward(self.cfg.inner_dim, self.cfg.mlp_ratio, name=name, **self.kw)
     return x + gate_mlp[:, None] * ff(layers.modulate(layers.layer_norm(x), shift_mlp, scale_mlp))
 
 
-class SingleBlock(nn.Module):
+class SingleBlock(layers.Module):
   """diffusers `FluxSingleTransformerBlock` on the concatenated [text; image] sequence: parallel
   attention and MLP branches, fused by `proj_out`."""
   cfg: FluxConfig
   attention_impl: Optional[str] = None
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x, temb, rope):
-    c, kw = self.cfg, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    c, kw = self.cfg, self.kw
     shift, scale, gate = layers.AdaLNModulation(c.inner_dim, 3, name="norm", **kw)(temb)
     h = layers.modulate(layers.layer_norm(x), shift, scale)
     mlp = nn.gelu(Linear(int(c.inner_dim * c.mlp_ratio), name="proj_mlp", **kw)(h), approximate=True)
@@ -181,17 +176,15 @@ class SingleBlock(nn.Module):
 
 def _stack(block, length, name, **kw):
   """`length` copies of `block` with parameters stacked on a leading axis, run by lax.scan."""
-  scanned = nn.scan(block, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True},
+  scanned = nn.scan(block, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True, "dropout": True},
                     in_axes=(nn.broadcast, nn.broadcast), length=length)
   return scanned(name=name, **kw)
 
 
-class Flux(nn.Module):
+class Flux(layers.Module):
   """The transformer. Inputs have diffusers' names and meanings; see `__call__`."""
   cfg: FluxConfig
   attention_impl: Optional[str] = None
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
@@ -200,7 +193,7 @@ class Flux(nn.Module):
     pooled_projections [B, pooled_dim]; timestep [B] in [0, 1]; img_ids [L, 3]; txt_ids [T, 3];
     guidance [B] (dev only). Returns the prediction [B, L, C_out]."""
     c = self.cfg
-    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    kw = self.kw
     block_kw = dict(cfg=c, attention_impl=self.attention_impl, **kw)
     img = Linear(c.inner_dim, name="x_embedder", **kw)(hidden_states.astype(self.dtype))
     txt = Linear(c.inner_dim, name="context_embedder", **kw)(encoder_hidden_states.astype(self.dtype))

@@ -4,8 +4,9 @@ Module and parameter names mirror the diffusers modules they reimplement (`to_q`
 `linear_1`, `net.0.proj`, ...), so that a Flax path joined with "." is the diffusers key and
 checkpoint conversion is a naming rule plus a small table (see `diffpipe_jax.convert`).
 
-Every module takes `dtype` (compute) and `param_dtype` (storage). Norms, RoPE and the
-timestep sinusoids are computed in float32 whatever the compute dtype, as diffusers does.
+Every module takes `dtype` (compute), `param_dtype` (storage) and `lora_dropout` (see `Module`).
+Norms, RoPE and the timestep sinusoids are computed in float32 whatever the compute dtype, as
+diffusers does.
 """
 import math
 from typing import Any, Optional, Sequence
@@ -17,7 +18,18 @@ import jax.numpy as jnp
 Dtype = Any
 
 
-class Linear(nn.Module):
+class Module(nn.Module, kw_only=True):
+  """Our modules' shared settings, handed down unchanged to every submodule through `self.kw`."""
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  lora_dropout: float = 0.0  # dropout on the input of each LoRA (training only; rng "dropout")
+
+  @property
+  def kw(self):
+    return dict(dtype=self.dtype, param_dtype=self.param_dtype, lora_dropout=self.lora_dropout)
+
+
+class Linear(Module):
   """`torch.nn.Linear` with a Flax (in, out) kernel, plus a LoRA when the variables hold one.
 
   The LoRA lives in its own collection, `lora/.../lora_A` [in, r] and `lora_B` [r, out] (alpha =
@@ -25,8 +37,6 @@ class Linear(nn.Module):
   differentiated and optimised. See `diffpipe_jax.lora`.
   """
   features: int
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x):
@@ -37,6 +47,9 @@ class Linear(nn.Module):
     y = x @ kernel.astype(self.dtype) + bias.astype(self.dtype)
     if self.has_variable("lora", "lora_A"):
       a, b = self.get_variable("lora", "lora_A"), self.get_variable("lora", "lora_B")
+      if self.lora_dropout > 0:
+        keep = jax.random.bernoulli(self.make_rng("dropout"), 1 - self.lora_dropout, x.shape)
+        x = jnp.where(keep, x / (1 - self.lora_dropout), 0)
       y = y + (x @ a.astype(self.dtype)) @ b.astype(self.dtype)
     return y
 
@@ -54,11 +67,9 @@ def modulate(x, shift, scale):
   return x * (1 + scale[:, None]) + shift[:, None]
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
   """`torch.nn.RMSNorm` over the last axis; parameter `weight` as in torch."""
   eps: float = 1e-6
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x):
@@ -68,17 +79,14 @@ class RMSNorm(nn.Module):
     return (x32 * weight.astype(jnp.float32)).astype(self.dtype)
 
 
-class AdaLNModulation(nn.Module):
+class AdaLNModulation(Module):
   """`linear(silu(emb))` split into `num_chunks` [B, D] tensors (diffusers' `norm*.linear`)."""
   dim: int
   num_chunks: int
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, emb):
-    out = Linear(self.num_chunks * self.dim, dtype=self.dtype, param_dtype=self.param_dtype,
-                 name="linear")(nn.silu(emb))
+    out = Linear(self.num_chunks * self.dim, name="linear", **self.kw)(nn.silu(emb))
     return jnp.split(out, self.num_chunks, axis=-1)
 
 
@@ -92,29 +100,25 @@ def timestep_sinusoids(t, dim=256, max_period=10000.0):
   return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
 
 
-class MLPEmbedder(nn.Module):
+class MLPEmbedder(Module):
   """linear_1 -> SiLU -> linear_2 (diffusers `TimestepEmbedding`, `PixArtAlphaTextProjection`)."""
   dim: int
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x):
-    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    kw = self.kw
     x = Linear(self.dim, name="linear_1", **kw)(x.astype(self.dtype))
     return Linear(self.dim, name="linear_2", **kw)(nn.silu(x))
 
 
-class FeedForward(nn.Module):
+class FeedForward(Module):
   """diffusers `FeedForward(activation_fn="gelu-tanh")`: net.0.proj -> GELU(tanh) -> net.2."""
   dim: int
   mult: float = 4.0
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x):
-    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    kw = self.kw
     h = Linear(int(self.dim * self.mult), name="net.0.proj", **kw)(x)
     return Linear(self.dim, name="net.2", **kw)(nn.gelu(h, approximate=True))
 
@@ -155,7 +159,7 @@ def default_attention_implementation(dtype) -> Optional[str]:
   return None
 
 
-class Attention(nn.Module):
+class Attention(Module):
   """diffusers-style attention: `to_q/k/v`, per-head `norm_q/k` RMSNorm, RoPE, optional joint
   text stream (`add_{q,k,v}_proj`, `norm_added_{q,k}`, `to_add_out`) concatenated in front of the
   main stream, and an optional output projection `to_out.0` (absent in `pre_only` blocks).
@@ -166,11 +170,9 @@ class Attention(nn.Module):
   head_dim: int
   pre_only: bool = False
   implementation: Optional[str] = None
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
 
   def _project(self, x, names):
-    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    kw = self.kw
     q, k, v = (Linear(self.heads * self.head_dim, name=n, **kw)(x).reshape(
         *x.shape[:-1], self.heads, self.head_dim) for n in names[:3])
     q = RMSNorm(name=names[3], **kw)(q)
@@ -179,7 +181,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, rope, context=None):
-    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    kw = self.kw
     q, k, v = self._project(x, ("to_q", "to_k", "to_v", "norm_q", "norm_k"))
     if context is not None:
       cq, ck, cv = self._project(
