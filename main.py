@@ -42,6 +42,12 @@ def checkpoint_path(model_config):
   return path
 
 
+def peak_device_memory_gib():
+  """Peak memory of the first local device so far (None where the backend does not report it)."""
+  stats = jax.local_devices()[0].memory_stats()
+  return stats["peak_bytes_in_use"] / 2**30 if stats and "peak_bytes_in_use" in stats else None
+
+
 def make_dataset(config, family, model_config):
   d = config.dataset
   if d.synthetic_samples > 0:
@@ -72,7 +78,9 @@ def main(argv):
   # ---------------------------------------------------------------- model (frozen)
   try:
     model = models.load(config.model.type, checkpoint_path(config.model),
-                        dtype=jnp.dtype(config.model.dtype))
+                        dtype=jnp.dtype(config.model.dtype),
+                        transformer_dtype=config.model.transformer_dtype,
+                        remat=config.activation_checkpointing)
   except CheckpointError as e:
     sys.exit(f"error: {e}")
   family, params = model.family, model.params
@@ -153,7 +161,11 @@ def main(argv):
     writer.add_scalar("train/grad_norm", grad_norm, step)
     metrics_log.write(json.dumps(dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm)) + "\n")
     metrics_log.flush()
-    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", epoch=epoch + 1)
+    peak_gib = peak_device_memory_gib()
+    if peak_gib is not None:
+      writer.add_scalar("train/peak_memory_gib", peak_gib, step)
+    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", epoch=epoch + 1,
+                    **({"peak_mem": f"{peak_gib:.1f}G"} if peak_gib is not None else {}))
     bar.update(1)
 
     end_of_epoch = step % steps_per_epoch == 0

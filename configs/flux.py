@@ -27,6 +27,7 @@ def get_config(arg=""):
   c.checkpoint_every_n_minutes = 120  # resumable training state to global_stepN/
   c.checkpoint_every_n_steps = 0
   c.checkpoints_to_keep = 3
+  c.activation_checkpointing = "block"  # "none": fastest, most memory; "block": remat each block
 
   c.model = ml_collections.ConfigDict()
   c.model.type = "flux"
@@ -34,6 +35,7 @@ def get_config(arg=""):
   c.model.transformer_path = ""  # or a BFL single file (flux1-dev.safetensors); wins if set
   c.model.generate_tiny = False  # write a random tiny model to diffusers_path if none is there
   c.model.dtype = "bfloat16"  # compute and frozen-weight dtype
+  c.model.transformer_dtype = ""  # "float8": the blocks' frozen Linears in float8_e4m3fn
   c.model.timestep_sample_method = "logit_normal"  # or uniform
   c.model.sigmoid_scale = 1.0
   c.model.shift = 1.0  # t' = s t / (1 + (s - 1) t); 1 is no shift

@@ -8,7 +8,6 @@ names come from the same Flax <-> diffusers naming rule that loads the base weig
 """
 import json
 import os
-import re
 import shutil
 from typing import Mapping, Sequence
 
@@ -31,11 +30,11 @@ def linear_modules(abstract_params) -> dict:
 def select_targets(abstract_params, patterns: Sequence[str]) -> list:
   """The Linear modules matched by `patterns` (full-match regexes); each must match something."""
   names = linear_modules(abstract_params)
-  unmatched = [p for p in patterns if not any(re.fullmatch(p, n) for n in names)]
+  unmatched = [p for p in patterns if not any(table.matches(n, [p]) for n in names)]
   if unmatched:
     raise ValueError(f"adapter target pattern(s) {unmatched} match no Linear layer; Linear layers "
                      f"are named like {sorted(names)[:6]}")
-  return sorted(n for n in names if any(re.fullmatch(p, n) for p in patterns))
+  return sorted(n for n in names if table.matches(n, patterns))
 
 
 def init(abstract_params, patterns: Sequence[str], rank: int, dtype, key) -> dict:

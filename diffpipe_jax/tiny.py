@@ -50,3 +50,76 @@ def save_flux_single_file(model, path, prefix=""):
   tensors = table.to_single_file(state_dict_numpy(model), flux.SINGLE_FILE_TABLE)
   write_atomic({prefix + k: v for k, v in tensors.items()}, path)
   return path
+
+
+# Tiny text and VAE sides of the Flux pipeline: CLIP's pooled width is its hidden size, so it
+# equals the transformer's pooled_projection_dim; T5's d_model equals joint_attention_dim.
+TINY_CLIP = dict(hidden_size=20, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 max_position_embeddings=77, projection_dim=20)
+TINY_T5 = dict(d_model=24, d_kv=8, d_ff=32, num_layers=2, num_heads=2, feed_forward_proj="gated-gelu")
+TINY_VAE = dict(block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=8,
+                scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                use_post_quant_conv=False)
+
+
+def clip_tokenizer():
+  """A byte-level CLIP tokenizer without merges: every byte is a token, as the hub one falls back to."""
+  from tokenizers import pre_tokenizers
+  from transformers import CLIPTokenizer
+  chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+  tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
+  return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[], model_max_length=77)
+
+
+def t5_tokenizer():
+  """A character-level T5 tokenizer (Unigram + Metaspace, `</s>` appended) with T5's special ids."""
+  import string
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+  from transformers import T5TokenizerFast
+  pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+  pieces += [(c, -2.0) for c in string.ascii_letters + string.digits + string.punctuation]
+  model = Tokenizer(models.Unigram(pieces, unk_id=2))
+  model.pre_tokenizer = pre_tokenizers.Metaspace()
+  model.decoder = decoders.Metaspace()
+  model.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A $B </s>",
+                                                       special_tokens=[("</s>", 1)])
+  return T5TokenizerFast(tokenizer_object=model, eos_token="</s>", unk_token="<unk>",
+                         pad_token="<pad>", extra_ids=0, model_max_length=512)
+
+
+def randomize_(model, scale=0.2):
+  """Adds noise to every parameter (norms included) so that no weight is at its trivial init."""
+  import torch
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(torch.randn_like(p) * scale)
+  return model
+
+
+def save_flux_pipeline(root, seed=0):
+  """Writes a complete tiny FLUX.1-dev pipeline folder (transformer, VAE, CLIP, T5, tokenizers,
+  scheduler) with the real classes, for caching and end-to-end tests. Returns root."""
+  import torch
+  from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+  from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+  transformer = build_flux(seed)
+  torch.manual_seed(seed + 1)
+  vae = randomize_(AutoencoderKL(
+      in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+      up_block_types=("UpDecoderBlock2D",) * 2, **TINY_VAE).eval())
+  assert transformer.config.in_channels == 4 * vae.config.latent_channels
+  tokenizer, tokenizer_2 = clip_tokenizer(), t5_tokenizer()
+  bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+  text_encoder = randomize_(CLIPTextModel(CLIPTextConfig(
+      vocab_size=len(tokenizer), bos_token_id=bos, eos_token_id=eos, pad_token_id=eos,
+      **TINY_CLIP)).eval())
+  text_encoder_2 = randomize_(T5EncoderModel(T5Config(
+      vocab_size=len(tokenizer_2), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+      **TINY_T5)).eval())
+  scheduler = FlowMatchEulerDiscreteScheduler(
+      shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+      base_image_seq_len=256, max_image_seq_len=4096)
+  FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+               text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+               transformer=transformer).save_pretrained(root)
+  return root

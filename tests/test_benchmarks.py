@@ -15,3 +15,11 @@ def test_flux_forward_benchmark_smoke(tmp_path):
   assert "load from diffusers folder (s)" in out
   err = float(out.split("rel. error vs diffusers bf16")[1].split("|")[2])
   assert err < 2e-2, out
+
+
+def test_flux_step_benchmark_smoke():
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "flux_step.py"), "--smoke"],
+                       env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+  rows = [line for line in out.splitlines() if line.startswith("| ") and "diffpipe-jax" in line]
+  assert len(rows) == 3, out  # no remat, per-block remat, fp8 base

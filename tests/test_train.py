@@ -130,3 +130,17 @@ def test_non_finite_loss_stops_with_a_message(tmp_path):
   out = run_main(tmp_path, "--config.model.guidance=nan", "--config.epochs=1")
   assert out.returncode != 0
   assert "non-finite loss" in out.stdout and "last good checkpoint" in out.stdout, out.stdout
+
+
+def test_float8_base_tracks_full_precision(flux_checkpoints):
+  path = flux_checkpoints["dev"]["diffusers"]
+  full = models.load("flux", path, progress=False)
+  fp8 = models.load("flux", path, transformer_dtype="float8", progress=False)
+  kernel = fp8.params["transformer_blocks"]["attn"]["to_q"]
+  assert kernel["kernel"].dtype == jnp.float8_e4m3fn and kernel["kernel_scale"].shape == (2, 64)
+  assert fp8.params["x_embedder"]["kernel"].dtype == jnp.float32  # embedders stay
+  config = tiny_config(**{"optimizer.lr": 3e-3})
+  _, losses = trained_adapter(full, config, 15)
+  _, losses8 = trained_adapter(fp8, config, 15)
+  np.testing.assert_allclose(losses8, losses, rtol=0.15)
+  assert losses8[-1] < 0.6 * losses8[0]

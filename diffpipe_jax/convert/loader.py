@@ -45,11 +45,15 @@ def open_checkpoint(family, path: str, axes_dims_rope=None):
   return family.config_from_single_file(files.shapes(), axes_dims_rope), files, family.SINGLE_FILE_TABLE
 
 
-def load_params(abstract, family, files, rows, dtype, put=jax.device_put, progress=True):
+def load_params(abstract, family, files, rows, dtype, put=jax.device_put, finalize=None,
+                progress=True):
   """Checks the checkpoint against `abstract` (eval_shape of the model's init), then converts it
-  leaf by leaf into `dtype` arrays placed by `put`. Returns the parameter tree."""
+  leaf by leaf into `dtype` arrays placed by `put`; `finalize(path, array)` may turn each leaf
+  into other leaves ({path: array}) before the next is read (float8 storage). Returns the tree."""
   sources = table.plan(abstract, family.STACKED, files, rows)
   leaves = table.load_leaves(abstract, family.STACKED, files, sources, np.dtype(dtype), put)
   n = len(table.flatten(abstract))
-  return table.unflatten(dict(tqdm(leaves, total=n, desc="loading weights", disable=not progress,
-                                   unit="tensor")))
+  flat = {}
+  for path, value in tqdm(leaves, total=n, desc="loading weights", disable=not progress, unit="tensor"):
+    flat.update(finalize(path, value) if finalize else {path: value})
+  return table.unflatten(flat)

@@ -33,6 +33,11 @@ def diffusers_key(path: Sequence[str], layer=None) -> str:
   return ".".join([*module, "weight" if leaf == "kernel" else leaf])
 
 
+def matches(name: str, patterns: Sequence[str]) -> bool:
+  """Policies (LoRA targets, float8 storage) are full-match regexes over dotted module names."""
+  return any(re.fullmatch(p, name) for p in patterns)
+
+
 def is_stacked(path, stacked) -> bool:
   return path[0] in stacked
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from diffpipe_jax import convert
+from diffpipe_jax.convert import table
 from diffpipe_jax.models import layers
 
 FAMILIES = {"flux": "diffpipe_jax.models.flux"}
@@ -46,20 +47,66 @@ def abstract_params(fam, module, config):
   return jax.eval_shape(lambda: module.init(jax.random.key(0), **dummy))["params"]
 
 
-def load(name: str, path: str, dtype=jnp.float32, param_dtype=None,
-         attention_impl: Optional[str] = "auto", axes_dims_rope=None, progress=True) -> Model:
+REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable}
+
+
+def storage_finalizer(fam, transformer_dtype: Optional[str]):
+  """Per-leaf hook for the frozen weights' storage: "float8" keeps the block Linears' kernels
+  in float8_e4m3fn with per-channel scales; norms, biases, embedders and final layers stay."""
+  if transformer_dtype in (None, ""):
+    return None
+  if transformer_dtype != "float8":
+    raise ValueError(f"transformer_dtype={transformer_dtype!r}; use '' (same as dtype) or 'float8'")
+  quantize = jax.jit(layers.quantize_float8)
+
+  def finalize(path, value):
+    if path[-1] != "kernel" or not table.matches(".".join(path[:-1]), fam.FLOAT8_TARGETS):
+      return {path: value}
+    q, scale = quantize(value)
+    return {path: q, path[:-1] + ("kernel_scale",): scale}
+  return finalize
+
+
+def _module(fam, config, dtype, param_dtype, attention_impl, remat):
+  if attention_impl == "auto":
+    attention_impl = layers.default_attention_implementation(dtype)
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"activation_checkpointing={remat!r}; use one of {sorted(REMAT_POLICIES)}")
+  return fam.make_module(config, dtype=dtype, param_dtype=param_dtype or dtype,
+                         attention_impl=attention_impl, remat=REMAT_POLICIES[remat])
+
+
+def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
+         attention_impl: Optional[str] = "auto", remat="none", axes_dims_rope=None,
+         progress=True) -> Model:
   """Loads model `name` ("flux") from a diffusers folder or an original single file.
 
-  dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype).
+  dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype);
+  transformer_dtype: "float8" stores the blocks' frozen Linear kernels in float8.
   attention_impl: "auto" (cuDNN on GPU for 16-bit, else XLA), "cudnn", "xla" or None (XLA).
+  remat: "none" or "block" (rematerialise each block in the backward pass).
   axes_dims_rope: only for single files of non-standard head sizes, where it cannot be derived.
   """
   fam = family(name)
-  param_dtype = param_dtype or dtype
-  if attention_impl == "auto":
-    attention_impl = layers.default_attention_implementation(dtype)
   config, files, rows = convert.open_checkpoint(fam, path, axes_dims_rope)
-  module = fam.make_module(config, dtype=dtype, param_dtype=param_dtype, attention_impl=attention_impl)
-  params = convert.load_params(abstract_params(fam, module, config), fam, files, rows, param_dtype,
+  module = _module(fam, config, dtype, param_dtype, attention_impl, remat)
+  params = convert.load_params(abstract_params(fam, module, config), fam, files, rows,
+                               param_dtype or dtype, finalize=storage_finalizer(fam, transformer_dtype),
                                progress=progress)
+  return Model(fam, config, module, params)
+
+
+def init_random(name: str, config, key, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
+                attention_impl: Optional[str] = "auto", remat="none") -> Model:
+  """A randomly initialised model of the given family config (benchmarks, full-size shapes)."""
+  fam = family(name)
+  module = _module(fam, config, dtype, param_dtype, attention_impl, remat)
+  params = jax.jit(module.init)(key, **fam.random_inputs(config))["params"]
+  finalize = storage_finalizer(fam, transformer_dtype)
+  if finalize:  # leaf by leaf, so the high-precision copy of one leaf is freed before the next
+    pending, flat = table.flatten(params), {}
+    del params
+    for path in list(pending):
+      flat.update(finalize(path, pending.pop(path)))
+    params = table.unflatten(flat)
   return Model(fam, config, module, params)

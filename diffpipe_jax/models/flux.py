@@ -9,7 +9,7 @@ their parameters are one array per weight (`transformer_blocks/attn/to_q/kernel`
 the diffusers names; `diffpipe_jax.convert` reads it in both directions.
 """
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ class FluxConfig:
 STACKED = ("transformer_blocks", "single_transformer_blocks")
 # diffusion-pipe's LoRA targets: every Linear inside the blocks, AdaLN modulation included.
 LORA_TARGETS = (r"transformer_blocks\..*", r"single_transformer_blocks\..*")
+FLOAT8_TARGETS = LORA_TARGETS  # the frozen weights that float8 storage covers: the blocks' Linears
 LORA_PREFIX = "transformer."  # the key prefix that diffusers' and ComfyUI's Flux loaders expect
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 
@@ -174,8 +175,11 @@ class SingleBlock(layers.Module):
     return x + gate[:, None] * out, None
 
 
-def _stack(block, length, name, **kw):
-  """`length` copies of `block` with parameters stacked on a leading axis, run by lax.scan."""
+def _stack(block, length, name, remat=None, **kw):
+  """`length` copies of `block` with parameters stacked on a leading axis, run by lax.scan;
+  with a `remat` policy each block is rematerialised in the backward pass."""
+  if remat is not None:
+    block = nn.remat(block, policy=remat, prevent_cse=False)
   scanned = nn.scan(block, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True, "dropout": True},
                     in_axes=(nn.broadcast, nn.broadcast), length=length)
   return scanned(name=name, **kw)
@@ -185,6 +189,7 @@ class Flux(layers.Module):
   """The transformer. Inputs have diffusers' names and meanings; see `__call__`."""
   cfg: FluxConfig
   attention_impl: Optional[str] = None
+  remat: Optional[Callable] = None  # a jax.checkpoint policy for each block, None: no remat
 
   @nn.compact
   def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
@@ -194,7 +199,7 @@ class Flux(layers.Module):
     guidance [B] (dev only). Returns the prediction [B, L, C_out]."""
     c = self.cfg
     kw = self.kw
-    block_kw = dict(cfg=c, attention_impl=self.attention_impl, **kw)
+    block_kw = dict(cfg=c, attention_impl=self.attention_impl, remat=self.remat, **kw)
     img = Linear(c.inner_dim, name="x_embedder", **kw)(hidden_states.astype(self.dtype))
     txt = Linear(c.inner_dim, name="context_embedder", **kw)(encoder_hidden_states.astype(self.dtype))
 
@@ -246,8 +251,8 @@ def check_inputs(cfg: FluxConfig, inputs: dict) -> dict:
   return out
 
 
-def make_module(cfg: FluxConfig, dtype, param_dtype, attention_impl):
-  return Flux(cfg, attention_impl=attention_impl, dtype=dtype, param_dtype=param_dtype)
+def make_module(cfg: FluxConfig, **kw):
+  return Flux(cfg, **kw)
 
 
 def training_inputs(cfg: FluxConfig, batch: dict, noisy, t, guidance: float) -> dict:

@@ -34,7 +34,8 @@ class Linear(Module):
 
   The LoRA lives in its own collection, `lora/.../lora_A` [in, r] and `lora_B` [r, out] (alpha =
   r, so scale 1), so base weights and adapter are separate trees: only the adapter is
-  differentiated and optimised. See `diffpipe_jax.lora`.
+  differentiated and optimised. See `diffpipe_jax.lora`. A frozen kernel may be stored in
+  float8 with a per-output-channel `kernel_scale` (see `quantize_float8`).
   """
   features: int
 
@@ -44,7 +45,10 @@ class Linear(Module):
                         self.param_dtype)
     bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
     x = x.astype(self.dtype)
-    y = x @ kernel.astype(self.dtype) + bias.astype(self.dtype)
+    y = x @ kernel.astype(self.dtype)
+    if self.has_variable("params", "kernel_scale"):
+      y = y * self.get_variable("params", "kernel_scale").astype(self.dtype)
+    y = y + bias.astype(self.dtype)
     if self.has_variable("lora", "lora_A"):
       a, b = self.get_variable("lora", "lora_A"), self.get_variable("lora", "lora_B")
       if self.lora_dropout > 0:
@@ -52,6 +56,14 @@ class Linear(Module):
         x = jnp.where(keep, x / (1 - self.lora_dropout), 0)
       y = y + (x @ a.astype(self.dtype)) @ b.astype(self.dtype)
     return y
+
+
+def quantize_float8(kernel):
+  """float8_e4m3fn storage of a (stacked) kernel [..., in, out], kernel ~= q * scale[..., None, :]:
+  one scale per output channel, so the scale applies to the matmul's output, not the weight."""
+  k32 = kernel.astype(jnp.float32)
+  scale = jnp.maximum(jnp.abs(k32).max(axis=-2), 1e-12) / float(jnp.finfo(jnp.float8_e4m3fn).max)
+  return (k32 / scale[..., None, :]).astype(jnp.float8_e4m3fn), scale
 
 
 def layer_norm(x, eps=1e-6):

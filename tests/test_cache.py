@@ -1,0 +1,137 @@
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from diffpipe_jax import cache, tiny
+from diffpipe_jax.models import flux
+
+BUCKETS = [(32, 32, 1), (48, 32, 1)]  # (width, height, frames)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+  return tiny.save_flux_pipeline(str(tmp_path_factory.mktemp("pipeline")))
+
+
+@pytest.fixture(scope="module")
+def encoders(root):
+  enc = cache.ENCODERS["flux"].load(root, device="cpu")
+  yield enc
+  enc.release()
+
+
+@pytest.fixture
+def counted(encoders, monkeypatch):
+  """The encoders, counting the media items they encode."""
+  calls = []
+  original = encoders.encode_media
+  monkeypatch.setattr(encoders, "encode_media", lambda px: calls.append(len(px)) or original(px))
+  monkeypatch.setattr(encoders, "encoded", lambda: sum(calls), raising=False)
+  return encoders
+
+
+def pixels(seed, bucket):
+  width, height, frames = bucket
+  rng = np.random.default_rng(seed)
+  return rng.uniform(-1, 1, (frames, height, width, 3)).astype(np.float32)
+
+
+def make_items(n, version=None, fail_after=None):
+  """n items over the buckets; `version` overrides some keys (an edited file); loading raises
+  once `fail_after` items were loaded (an interrupted run)."""
+  loaded = []
+  def item(i):
+    bucket = BUCKETS[i % len(BUCKETS)]
+    def load():
+      if fail_after is not None and len(loaded) >= fail_after:
+        raise RuntimeError("interrupted")
+      loaded.append(i)
+      return pixels((i, (version or {}).get(i, 0)), bucket)
+    key = f"img{i}.png:{(version or {}).get(i, 0)}"
+    return dict(key=key, caption=f"a photo of thing {i}", bucket=bucket, load_pixels=load)
+  return [item(i) for i in range(n)]
+
+
+def test_matches_diffusers(root, encoders, tmp_path):
+  from diffusers import AutoencoderKL, FluxPipeline
+  items = make_items(5)
+  c = cache.build_cache(str(tmp_path), items, encoders, batch_size=2)
+  assert sorted(c.buckets()) == [((32, 32, 1), 3), ((48, 32, 1), 2)] and len(c) == 5
+
+  vae = AutoencoderKL.from_pretrained(os.path.join(root, "vae"))
+  pipe = FluxPipeline.from_pretrained(root)
+  cfg = vae.config
+  for bucket, _ in c.buckets():
+    for index, key in enumerate(c.keys(bucket)):
+      item = next(it for it in items if it["key"] == key)
+      x = torch.from_numpy(item["load_pixels"]()).permute(0, 3, 1, 2)
+      with torch.no_grad():
+        z = (vae.encode(x).latent_dist.mean - cfg.shift_factor) * cfg.scaling_factor
+        want = FluxPipeline._pack_latents(z, 1, z.shape[1], z.shape[2], z.shape[3])[0].numpy()
+        text, pooled, _ = pipe.encode_prompt(item["caption"], prompt_2=None,
+                                             max_sequence_length=512)
+      got = c.get(bucket, index)
+      np.testing.assert_allclose(got["latents"], want, rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(got["text"], text[0].numpy(), rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(got["pooled"], pooled[0].numpy(), rtol=1e-5, atol=1e-5)
+      assert flux.image_ids(*c.grid(bucket)).shape[0] == got["latents"].shape[0]
+  assert c.get((48, 32, 1), 0)["latents"].shape == (8 * 12, 16)
+
+  with torch.no_grad():
+    text, pooled, _ = pipe.encode_prompt("", prompt_2=None, max_sequence_length=512)
+  empty = c.empty_text()
+  np.testing.assert_allclose(empty["text"], text[0].numpy(), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(empty["pooled"], pooled[0].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_only_changed_items_reencoded(counted, tmp_path_factory):
+  tmp_path = tmp_path_factory.mktemp("cache")
+  cache.build_cache(str(tmp_path), make_items(6), counted, batch_size=4)
+  assert counted.encoded() == 6
+  c = cache.build_cache(str(tmp_path), make_items(6, version={3: 1}), counted, batch_size=4)
+  assert counted.encoded() == 7 and len(c) == 6
+  bucket = BUCKETS[1]
+  assert "img3.png:1" in c.keys(bucket) and "img3.png:0" not in c.keys(bucket)
+  got = c.get(bucket, c.keys(bucket).index("img3.png:1"))
+  fresh = cache.build_cache(str(tmp_path_factory.mktemp("fresh")), make_items(6, version={3: 1}), counted, 4)
+  want = fresh.get(bucket, fresh.keys(bucket).index("img3.png:1"))["latents"]
+  np.testing.assert_allclose(got["latents"], want, rtol=1e-5, atol=1e-5)  # batching reorders sums
+
+  # img3 edited back (its old rows were deleted with the stale shard) and img5 removed
+  c = cache.build_cache(str(tmp_path), make_items(5), counted, batch_size=4)
+  assert counted.encoded() == 13 + 1 and len(c) == 5
+  # only the manifest and one shard per live bucket remain
+  assert sorted(os.listdir(tmp_path)) == ["32x32x1", "48x32x1", "empty", "manifest.json"]
+  assert all(len(os.listdir(tmp_path / b)) == 4 for b in ("32x32x1", "48x32x1"))
+
+
+def test_interrupted_run_resumes(counted, tmp_path_factory):
+  tmp_path = tmp_path_factory.mktemp("cache")
+  with pytest.raises(RuntimeError, match="interrupted"):
+    cache.build_cache(str(tmp_path), make_items(8, fail_after=5), counted, batch_size=2)
+  assert counted.encoded() == 4  # two finished batches, the third failed while loading
+  assert not os.path.exists(tmp_path / cache.MANIFEST)  # nothing readable was half-written
+  c = cache.build_cache(str(tmp_path), make_items(8), counted, batch_size=2)
+  assert counted.encoded() == 8 and len(c) == 8
+  ref = cache.build_cache(str(tmp_path_factory.mktemp("ref")), make_items(8), counted, batch_size=3)
+  for bucket, n in c.buckets():
+    assert c.keys(bucket) == ref.keys(bucket)
+    for i in range(n):
+      for k, v in c.get(bucket, i).items():
+        np.testing.assert_allclose(v, ref.get(bucket, i)[k], rtol=1e-5, atol=1e-5)
+
+
+def test_regenerate_rebuilds_all(counted, tmp_path):
+  cache.build_cache(str(tmp_path), make_items(4), counted, batch_size=4)
+  c = cache.build_cache(str(tmp_path), make_items(4), counted, batch_size=4, regenerate=True)
+  assert counted.encoded() == 8 and len(c) == 4
+  assert c.empty_text()["text"].shape == (512, 24) and c.empty_text()["pooled"].shape == (20,)
+
+
+def test_identity_changes_with_settings(root, encoders):
+  other = cache.ENCODERS["flux"].load(root, device="cpu", max_sequence_length=64)
+  assert other.identity() != encoders.identity()
+  assert other.encode_text(["x"])["text"].shape == (1, 64, 24)
+  other.release()
