@@ -3,7 +3,9 @@
   python main.py --config configs/flux.py:tiny
   python main.py --config configs/flux.py:tiny --resume_from_checkpoint          # newest run
   python main.py --config configs/flux.py:tiny --resume_from_checkpoint=20261130_18-00-00
+  python main.py --config configs/flux.py:tiny --cache_only [--regenerate_cache]
 """
+import dataclasses
 import functools
 import json
 import os
@@ -18,7 +20,7 @@ from ml_collections import config_flags
 from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
-from diffpipe_jax import checkpoint, data, lora, models, optim, tiny, train
+from diffpipe_jax import cache, checkpoint, data, lora, media, models, optim, tiny, train
 from diffpipe_jax.convert import CheckpointError
 
 config_flags.DEFINE_config_file("config", None, "configs/*.py file, optionally :variant",
@@ -26,20 +28,43 @@ config_flags.DEFINE_config_file("config", None, "configs/*.py file, optionally :
 flags.DEFINE_string("resume_from_checkpoint", None,
                     "continue a run: a run directory name under output_dir, or no value (or "
                     "'latest') for the newest")
+flags.DEFINE_bool("cache_only", False, "cache latents and text embeddings, then exit")
+flags.DEFINE_bool("regenerate_cache", False, "rebuild the caches from scratch")
 FLAGS = flags.FLAGS
 
 
-def checkpoint_path(model_config):
-  """The configured checkpoint, generating the embedded tiny model on first use if asked."""
-  m = model_config
+def checkpoint_path(config):
+  """The configured checkpoint; the tiny variant writes its pipeline and images on first use."""
+  m = config.model
   path = m.transformer_path or m.diffusers_path
   if not path:
     raise app.UsageError("set --config.model.diffusers_path or --config.model.transformer_path "
                          "(or run the embedded default: --config configs/flux.py:tiny)")
-  if m.generate_tiny and not os.path.isfile(os.path.join(path, "transformer", "config.json")):
-    print(f"writing the embedded tiny Flux to {path}")
-    tiny.save_flux_diffusers(tiny.build_flux(), path)
+  if config.generate_tiny:
+    if not os.path.isfile(os.path.join(m.diffusers_path, "model_index.json")):
+      print(f"writing the embedded tiny Flux pipeline to {m.diffusers_path}")
+      tiny.save_flux_pipeline(m.diffusers_path)
+    for folder, sizes in [(config.dataset.path, None)] + [
+        (e.path, ((40, 40),)) for e in config.eval_datasets.values()]:
+      if not os.path.isdir(folder):
+        print(f"writing the embedded tiny image set to {folder}")
+        tiny.write_image_dataset(folder, **({"sizes": sizes, "num_images": 4} if sizes else {}))
   return path
+
+
+def cache_datasets(config, regenerate):
+  """Caches the training and eval datasets (PyTorch encoders, released afterwards)."""
+  if not config.model.diffusers_path:
+    raise app.UsageError("caching needs model.diffusers_path for the VAE and text encoders")
+  encoders = cache.ENCODERS[config.model.type].load(config.model.diffusers_path)
+  train_settings = data.dataset_settings(config.dataset)
+  eval_settings = {name: dataclasses.replace(train_settings, directories=(
+      media.DirectorySettings(path=e.path),)) for name, e in config.eval_datasets.items()}
+  cached = {name: data.cache_dataset(s, config.model.type, encoders, encoders.pixel_multiple,
+                                     config.caching_batch_size, regenerate)
+            for name, s in {"train": train_settings, **eval_settings}.items()}
+  encoders.release()
+  return cached
 
 
 def peak_device_memory_gib():
@@ -48,21 +73,31 @@ def peak_device_memory_gib():
   return stats["peak_bytes_in_use"] / 2**30 if stats and "peak_bytes_in_use" in stats else None
 
 
-def make_dataset(config, family, model_config):
-  d = config.dataset
-  if d.synthetic_samples > 0:
-    return data.SyntheticDataset(family, model_config, d.synthetic_samples,
-                                 d.synthetic_resolution // 16, d.synthetic_text_tokens, config.seed)
-  raise app.UsageError("image/video datasets (dataset.path) are not implemented yet; use "
-                       "--config.dataset.synthetic_samples=N for a synthetic cached dataset")
-
-
 def main(argv):
   del argv
   config = FLAGS.config
   if config is None:
     raise app.UsageError("pass --config configs/flux.py[:variant]")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+
+  # ---------------------------------------------------------------- data (cached once)
+  family = models.family(config.model.type)
+  try:
+    path = checkpoint_path(config)
+    cached = cache_datasets(config, FLAGS.regenerate_cache)
+    micro, accum = config.micro_batch_size_per_gpu, config.gradient_accumulation_steps
+    global_batch = micro * accum
+    dataset = data.Batches(cached.pop("train"), global_batch, config.seed, family.position_ids)
+    evals = {name: data.Batches(dirs, micro, config.seed, family.position_ids, name)
+             for name, dirs in cached.items()}
+  except (ValueError, media.MediaError) as e:
+    sys.exit(f"error: {e}")
+  if FLAGS.cache_only:
+    print("cached; exiting (--cache_only)")
+    return
+  steps_per_epoch = dataset.steps_per_epoch
+  total_steps = config.epochs * steps_per_epoch
+  total_steps = min(total_steps, config.max_steps) if config.max_steps else total_steps
 
   # ---------------------------------------------------------------- run directory
   resume = FLAGS.resume_from_checkpoint
@@ -73,28 +108,16 @@ def main(argv):
     sys.exit(f"error: {e}")
   with open(os.path.join(run_dir, "config.json" if resume is None else "config_resumed.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
-  print(f"run directory: {run_dir}; devices: {jax.devices()}")
+  print(f"run directory: {run_dir}; devices: {jax.devices()}; {steps_per_epoch} steps an epoch")
 
   # ---------------------------------------------------------------- model (frozen)
   try:
-    model = models.load(config.model.type, checkpoint_path(config.model),
-                        dtype=jnp.dtype(config.model.dtype),
+    model = models.load(config.model.type, path, dtype=jnp.dtype(config.model.dtype),
                         transformer_dtype=config.model.transformer_dtype,
                         remat=config.activation_checkpointing)
   except CheckpointError as e:
     sys.exit(f"error: {e}")
-  family, params = model.family, model.params
-
-  # ---------------------------------------------------------------- data
-  dataset = make_dataset(config, family, model.config)
-  micro, accum = config.micro_batch_size_per_gpu, config.gradient_accumulation_steps
-  global_batch = micro * accum
-  steps_per_epoch = len(dataset) // global_batch
-  if steps_per_epoch == 0:
-    sys.exit(f"error: the dataset has {len(dataset)} samples, fewer than one global batch "
-             f"({micro} x {accum} accumulation steps); add data or lower the batch")
-  total_steps = config.epochs * steps_per_epoch
-  total_steps = min(total_steps, config.max_steps) if config.max_steps else total_steps
+  params = model.params
 
   # ---------------------------------------------------------------- adapter and optimizer
   adapter_dtype = jnp.dtype(config.adapter.dtype)
@@ -122,6 +145,17 @@ def main(argv):
   step_fn = jax.jit(functools.partial(
       train.train_step, tx=tx, loss=functools.partial(train.loss_fn, model=model, config=config)),
       donate_argnums=(0,))
+  eval_fn = jax.jit(functools.partial(train.eval_losses, model=model, config=config))
+
+  def run_evals(step):
+    """Each eval set's loss at the fixed t quantiles, with the same noise every time."""
+    for name, ev in evals.items():
+      losses = np.mean([eval_fn(state["lora"], params, batch, jax.random.key(i))
+                        for i, batch in enumerate(ev.iterate(0))], axis=0)
+      for q, value in zip(train.EVAL_QUANTILES, losses):
+        writer.add_scalar(f"{name}/loss_quantile_{q:.2f}", value, step)
+      writer.add_scalar(f"{name}/loss", losses.mean(), step)
+      print(f"eval {name} at step {step}: loss {losses.mean():.4f}")
 
   last_saved_step = None
 
@@ -142,10 +176,15 @@ def main(argv):
   step = int(state["step"])
   last_checkpoint_time = time.time()
   epoch_losses = []
+  if evals and config.eval_before_first_step and step == 0:
+    run_evals(0)
   bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
+  batch_iter, iter_epoch = None, None
   while step < total_steps:
     epoch, index = divmod(step, steps_per_epoch)
-    batch = dataset.batch(epoch, index, global_batch)
+    if iter_epoch != epoch:  # a new epoch, or a resumed run: the schedule continues exactly
+      batch_iter, iter_epoch = dataset.iterate(epoch, index, jax.process_index(), jax.process_count()), epoch
+    batch = next(batch_iter)
     batches = jax.tree.map(lambda x: x.reshape(accum, micro, *x.shape[1:]), batch)
     state, metrics = step_fn(state, params, batches, jax.random.fold_in(key, step))
     loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
@@ -176,6 +215,9 @@ def main(argv):
         save_lora(f"epoch{epoch + 1}")
     if config.save_every_n_steps and step % config.save_every_n_steps == 0:
       save_lora(f"step{step}")
+    if evals and ((config.eval_every_n_steps and step % config.eval_every_n_steps == 0) or (
+        end_of_epoch and config.eval_every_n_epochs and (epoch + 1) % config.eval_every_n_epochs == 0)):
+      run_evals(step)
     due = (config.checkpoint_every_n_steps and step % config.checkpoint_every_n_steps == 0) or (
         time.time() - last_checkpoint_time > 60 * config.checkpoint_every_n_minutes)
     if due or step == total_steps:

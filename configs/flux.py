@@ -1,11 +1,12 @@
 """FLUX.1 LoRA training.
 
   python main.py --config configs/flux.py:tiny     # embedded tiny model and data, CPU, no downloads
+  python main.py --config configs/flux.py:tiny --cache_only   # cache latents and text, then exit
   python main.py --config configs/flux.py --config.model.diffusers_path=/models/FLUX.1-dev \
       --config.dataset.path=/data/my_images
 
 Variants (the part after ':'): "" (FLUX.1-dev, bf16, rank 32) and "tiny" (a random tiny Flux
-generated on first use, trained on a synthetic cached dataset). Key names follow diffusion-pipe.
+generated on first use with a small synthetic captioned image set). Key names follow diffusion-pipe.
 """
 import ml_collections
 
@@ -14,6 +15,7 @@ def get_config(arg=""):
   c = ml_collections.ConfigDict()
   c.output_dir = "runs/flux"
   c.seed = 0
+  c.generate_tiny = False  # write a tiny random pipeline and image set to the paths if absent
   c.epochs = 100
   c.max_steps = 0  # stop after this many steps (0: run all epochs)
   c.micro_batch_size_per_gpu = 1
@@ -33,7 +35,6 @@ def get_config(arg=""):
   c.model.type = "flux"
   c.model.diffusers_path = ""  # a diffusers pipeline folder (holds transformer/)
   c.model.transformer_path = ""  # or a BFL single file (flux1-dev.safetensors); wins if set
-  c.model.generate_tiny = False  # write a random tiny model to diffusers_path if none is there
   c.model.dtype = "bfloat16"  # compute and frozen-weight dtype
   c.model.transformer_dtype = ""  # "float8": the blocks' frozen Linears in float8_e4m3fn
   c.model.timestep_sample_method = "logit_normal"  # or uniform
@@ -56,25 +57,40 @@ def get_config(arg=""):
   c.optimizer.weight_decay = 0.01
   c.optimizer.eps = 1e-8
 
-  c.dataset = ml_collections.ConfigDict()
-  c.dataset.path = ""  # a directory of images/videos with same-stem .txt captions
-  c.dataset.synthetic_samples = 0  # >0: a synthetic cached dataset instead (tests, tiny runs)
-  c.dataset.synthetic_resolution = 128
-  c.dataset.synthetic_text_tokens = 16
+  c.dataset = ml_collections.ConfigDict()  # diffusion-pipe's dataset keys
+  c.dataset.path = ""  # a directory of images (and same-stem .txt captions)
+  c.dataset.toml_path = ""  # or a diffusion-pipe dataset.toml, as is
+  c.dataset.resolutions = (1024,)  # areas: 1024 means 1024x1024 pixels worth
+  c.dataset.enable_ar_bucket = True
+  c.dataset.min_ar = 0.5
+  c.dataset.max_ar = 2.0
+  c.dataset.num_ar_buckets = 7
+  c.dataset.num_repeats = 1
+  c.dataset.caption_prefix = ""
+  c.caching_batch_size = 1
+
+  # Eval: name -> dict(path=...), the dataset's bucket settings; loss at fixed t quantiles.
+  c.eval_datasets = ml_collections.ConfigDict()
+  c.eval_every_n_steps = 0
+  c.eval_every_n_epochs = 1
+  c.eval_before_first_step = True
 
   if arg == "tiny":
     c.output_dir = "runs/flux_tiny"
     c.epochs = 4
     c.micro_batch_size_per_gpu = 2
-    c.gradient_accumulation_steps = 2
+    c.gradient_accumulation_steps = 2  # 12 images in 3 aspect buckets: 3 steps an epoch
     c.checkpoint_every_n_steps = 4
     c.save_dtype = "float32"
-    c.model.diffusers_path = "runs/tiny_models/flux"
-    c.model.generate_tiny = True
+    c.generate_tiny = True
+    c.model.diffusers_path = "runs/tiny/flux_pipeline"
     c.model.dtype = "float32"
     c.adapter.rank = 4
     c.optimizer.lr = 1e-3
-    c.dataset.synthetic_samples = 8
+    c.dataset.path = "runs/tiny/images"
+    c.dataset.resolutions = (32,)
+    c.caching_batch_size = 4
+    c.eval_datasets.tiny_eval = dict(path="runs/tiny/eval_images")
   elif arg:
     raise ValueError(f"unknown configs/flux.py variant {arg!r}; known: '', 'tiny'")
   return c

@@ -111,10 +111,14 @@ class FluxEncoders(Encoders):
   def spatial_factor(self):
     return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
+  @property
+  def pixel_multiple(self):
+    """Bucket sides must be multiples of this: the VAE factor, then 2x2 packing."""
+    return 2 * self.spatial_factor
+
   def latent_grid(self, frames, height, width):
     """Packed token grid (rows, columns) of a bucket: VAE factor, then 2x2 patches."""
-    f = 2 * self.spatial_factor
-    return (height // f, width // f)
+    return (height // self.pixel_multiple, width // self.pixel_multiple)
 
   def encode_images(self, pixels):
     """[B, 3, H, W] in [-1, 1] -> packed latents [B, (h/2)*(w/2), 4*C], as FluxPipeline packs.
@@ -208,7 +212,7 @@ def committed_shards(cache_dir):
 
 
 def encode_batch(encoders, batch):
-  """Arrays of a batch of items: the stacked media's latents and the captions' embeddings."""
+  """A batch's arrays (the media's latents, the captions' embeddings) and its (F, H, W)."""
   pixels = np.stack([item["load_pixels"]() for item in batch]).astype(np.float32)
   return dict(latents=encoders.encode_media(pixels),
               **encoders.encode_text([item["caption"] for item in batch])), pixels.shape[1:4]

@@ -1,27 +1,115 @@
-"""Training data. For now a synthetic stand-in of pre-cached samples (the image/video datasets
-with buckets and caching replace it): fixed random packed latents and text embeddings, served in
-a seeded per-epoch order, so a batch is a pure function of (epoch, index) and resuming needs
-only the step."""
+"""Training data: media directories -> size/frame buckets -> cached latents and text -> batches.
+
+Every batch comes from one bucket. An epoch's order is a pure function of (seed, epoch): each
+bucket is shuffled, cut into global batches (the remainder dropped), and the batches shuffled.
+The data position is therefore just (epoch, batch index), which the checkpoint stores through
+the step, and a resumed run sees exactly the batches it would have seen. grain serves them with
+prefetching threads; each process loads only its rows of a global batch (multi-host).
+"""
+import dataclasses
+import logging
+import os
+from typing import List, Sequence, Tuple
+
+import grain
 import numpy as np
 
+from diffpipe_jax import buckets, cache, media
 
-class SyntheticDataset:
-  """`num_samples` random cached samples for a model config, latent grid `grid` x `grid`."""
 
-  def __init__(self, family, model_config, num_samples, grid, text_tokens, seed=0):
-    samples = [family.random_inputs(model_config, 1, grid, grid, text_tokens, seed=seed + i)
-               for i in range(num_samples)]
-    cat = lambda k: np.concatenate([s[k] for s in samples])
-    self.arrays = dict(latents=cat("hidden_states"), text=cat("encoder_hidden_states"),
-                       pooled=cat("pooled_projections"),
-                       img_ids=np.stack([s["img_ids"] for s in samples]))
-    self.seed = seed
+@dataclasses.dataclass(frozen=True)
+class CachedDirectory:
+  cache: cache.Cache
+  num_repeats: int
 
-  def __len__(self):
-    return len(self.arrays["latents"])
 
-  def batch(self, epoch: int, index: int, size: int) -> dict:
-    """Batch `index` of `epoch` (each epoch a fresh seeded permutation, the tail dropped)."""
-    order = np.random.default_rng([self.seed, epoch]).permutation(len(self))
-    rows = order[index * size:(index + 1) * size]
-    return {k: v[rows] for k, v in self.arrays.items()}
+def dataset_settings(dataset_config) -> media.DatasetSettings:
+  """Our config's dataset section, or a diffusion-pipe dataset.toml given as `toml_path`."""
+  d = dict(dataset_config)
+  toml_path = d.pop("toml_path", "")
+  return media.settings_from_toml(toml_path) if toml_path else media.settings_from_dict(d)
+
+
+def cache_items(directory: media.DirectorySettings, items: Sequence[media.Item], multiple: int,
+                fps=None):
+  """One cache entry per (item, bucket): its key covers file content, caption and bucket."""
+  sizes, frames = media.directory_buckets(directory, multiple)
+  entries = []
+  for item in items:
+    for b in buckets.assign(item.width, item.height, media.frames_at_fps(item, fps), sizes, frames):
+      load = lambda item=item, b=b: buckets.resize_and_crop(
+          media.read_frames(item, fps, b.frames), b.width, b.height).astype(np.float32) / 127.5 - 1
+      # The cache orders a bucket by key: file name first keeps the order stable across edits.
+      name = os.path.relpath(item.path, directory.path)
+      entries.append(dict(key=f"{name}|{b.width}x{b.height}x{b.frames}|{item.fingerprint()}",
+                          caption=item.caption, bucket=tuple(b), load_pixels=load))
+  return entries
+
+
+def cache_dataset(settings: media.DatasetSettings, model_type: str, encoders, multiple: int,
+                  batch_size: int, regenerate=False, fps=None) -> List[CachedDirectory]:
+  """Scans and caches every directory into `<directory>/cache/<model_type>/`."""
+  out = []
+  for directory, items in media.scan_dataset(settings):
+    entries = cache_items(directory, items, multiple, fps)
+    cache_dir = os.path.join(directory.path, "cache", model_type)
+    out.append(CachedDirectory(cache.build_cache(cache_dir, entries, encoders, batch_size, regenerate),
+                               directory.num_repeats))
+  return out
+
+
+Row = Tuple[int, int]  # (directory index, row in that directory's bucket)
+Batch = Tuple[tuple, List[Row]]  # (bucket, rows)
+
+
+class Batches:
+  """The bucketed, seeded batch schedule over cached directories, and the loading of a batch."""
+
+  def __init__(self, directories: Sequence[CachedDirectory], global_batch: int, seed: int,
+               position_ids, name="dataset"):
+    self.directories, self.global_batch, self.seed = directories, global_batch, seed
+    self.position_ids = position_ids  # latent grid -> position ids (the model family's)
+    groups = {}
+    for d_idx, d in enumerate(directories):
+      for bucket, count in d.cache.buckets():
+        rows = [(d_idx, r) for r in range(count)] * d.num_repeats
+        groups.setdefault(tuple(bucket), []).extend(rows)
+    self.groups = {b: rows for b, rows in sorted(groups.items()) if len(rows) >= global_batch}
+    dropped = {b: len(rows) for b, rows in groups.items() if b not in self.groups}
+    counts = ", ".join(f"{w}x{h}x{f}: {len(rows)}" for (w, h, f), rows in sorted(groups.items()))
+    if not self.groups:
+      raise ValueError(
+          f"{name}: no bucket holds a full global batch of {global_batch} (micro batch x data "
+          f"parallel x accumulation); items per bucket (width x height x frames): {counts or 'none'}. "
+          "Add images, raise num_repeats, use fewer resolutions/AR buckets, or lower the batch")
+    if dropped:
+      logging.warning("%s: buckets smaller than one global batch (%d) are not used: %s", name,
+                      global_batch, dropped)
+    self.steps_per_epoch = sum(len(r) // global_batch for r in self.groups.values())
+
+  def epoch(self, epoch: int) -> List[Batch]:
+    rng = np.random.default_rng([self.seed, epoch])
+    batches = []
+    for bucket, rows in self.groups.items():
+      order = rng.permutation(len(rows))
+      n = len(rows) // self.global_batch * self.global_batch
+      batches += [(bucket, [rows[i] for i in order[s:s + self.global_batch]])
+                  for s in range(0, n, self.global_batch)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+  def load(self, batch: Batch, process_index=0, process_count=1) -> dict:
+    """This process's share of a global batch, as numpy arrays with a leading batch axis."""
+    bucket, rows = batch
+    per = len(rows) // process_count
+    rows = rows[process_index * per:(process_index + 1) * per]
+    items = [self.directories[d].cache.get(bucket, r) for d, r in rows]
+    out = {k: np.stack([it[k] for it in items]) for k in ("latents", "text", "pooled")}
+    ids = self.position_ids(self.directories[rows[0][0]].cache.grid(bucket))
+    out["img_ids"] = np.broadcast_to(ids, (len(rows),) + ids.shape)
+    return out
+
+  def iterate(self, epoch: int, start: int = 0, process_index=0, process_count=1):
+    """Batches `start`, `start + 1`, ... of `epoch`, loaded ahead by grain's threads."""
+    ds = grain.MapDataset.source(self.epoch(epoch))[start:].map(
+        lambda rows: self.load(rows, process_index, process_count))
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=2)))

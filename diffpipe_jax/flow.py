@@ -20,14 +20,19 @@ def shift_timesteps(t, shift=1.0, flux_shift=False, image_tokens=None):
   return shift * t / (1 + (shift - 1) * t)
 
 
-def sample_timesteps(key, batch, method="logit_normal", sigmoid_scale=1.0, **shift_kw):
+def quantile_timesteps(q, method="logit_normal", sigmoid_scale=1.0):
+  """The inverse CDF of the (unshifted) timestep distribution: fixed t for evaluation."""
   if method == "logit_normal":
-    t = jax.nn.sigmoid(jax.random.normal(key, (batch,)) * sigmoid_scale)
-  elif method == "uniform":
-    t = jax.random.uniform(key, (batch,))
-  else:
-    raise ValueError(f"model.timestep_sample_method={method!r}; use 'logit_normal' or 'uniform'")
-  return shift_timesteps(t, **shift_kw)
+    return jax.nn.sigmoid(jax.scipy.special.ndtri(q) * sigmoid_scale)
+  if method == "uniform":
+    return q
+  raise ValueError(f"model.timestep_sample_method={method!r}; use 'logit_normal' or 'uniform'")
+
+
+def sample_timesteps(key, batch, method="logit_normal", sigmoid_scale=1.0):
+  """Unshifted training timesteps: the quantile function at uniform draws (see shift_timesteps)."""
+  u = jax.random.uniform(key, (batch,), minval=1e-6, maxval=1 - 1e-6)
+  return quantile_timesteps(u, method, sigmoid_scale)
 
 
 def noisy_latents(latents, noise, t):

@@ -123,3 +123,22 @@ def save_flux_pipeline(root, seed=0):
                text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
                transformer=transformer).save_pretrained(root)
   return root
+
+
+def write_image_dataset(folder, num_images=12, seed=0, sizes=((40, 40), (56, 32), (32, 56))):
+  """Captioned synthetic images (smooth colour fields of a few aspect ratios) with same-stem
+  .txt captions: the embedded default's dataset. Returns folder."""
+  from PIL import Image
+  rng = np.random.default_rng(seed)
+  os.makedirs(folder, exist_ok=True)
+  colours = ["red", "green", "blue", "yellow"]
+  for i in range(num_images):
+    w, h = sizes[i % len(sizes)]
+    y, x = np.mgrid[0:h, 0:w] / max(w, h)
+    c = i % len(colours)
+    rgb = np.stack([np.sin(6 * x + i), np.cos(5 * y - i), np.sin(4 * (x + y))], -1) * 0.3 + 0.5
+    rgb[..., c % 3] += 0.2
+    Image.fromarray((np.clip(rgb, 0, 1) * 255).astype(np.uint8)).save(os.path.join(folder, f"{i:03d}.png"))
+    with open(os.path.join(folder, f"{i:03d}.txt"), "w") as f:
+      f.write(f"a {colours[c]} pattern, number {i}")
+  return folder

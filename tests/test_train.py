@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from diffpipe_jax import data, lora, models, optim, train
+from diffpipe_jax import lora, models, optim, train
 from diffpipe_jax.models import flux
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,20 +28,21 @@ def tiny_config(**overrides):
   return config
 
 
-def run_main(tmp_path, *args):
-  os.makedirs(tmp_path, exist_ok=True)
+def run_main(tmp_path, *args, output="out"):
+  """main.py on the tiny variant, its model and images generated under tmp_path."""
   env = dict(os.environ, PYTHONPATH=ROOT)
   return subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "--config",
                          os.path.join(ROOT, "configs", "flux.py") + ":tiny",
-                         f"--config.output_dir={tmp_path}/runs",
-                         f"--config.model.diffusers_path={tmp_path}/tiny_model", *args],
+                         f"--config.output_dir={tmp_path}/{output}", *args],
                         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         text=True)
 
 
 def trained_adapter(model, config, steps, samples=2):
   """Runs the real jitted train step `steps` times on a synthetic dataset; returns (adapter, losses)."""
-  dataset = data.SyntheticDataset(flux, model.config, samples, 4, 6)
+  inputs = flux.random_inputs(model.config, samples, 4, 4, 6)
+  batch = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
+               pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * samples))
   tx, _ = optim.make(config, steps)
   adapter = lora.init(model.params, flux.LORA_TARGETS, config.adapter.rank, jnp.float32, jax.random.key(0))
   state = dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
@@ -49,7 +50,6 @@ def trained_adapter(model, config, steps, samples=2):
       s, model.params, b, k, tx=tx, loss=lambda *a: train.loss_fn(*a, model=model, config=config)))
   losses = []
   for i in range(steps):
-    batch = dataset.batch(0, 0, samples)
     batches = jax.tree.map(lambda x: x.reshape(1, samples, *x.shape[1:]), batch)
     state, metrics = step(state, batches, jax.random.key(1))  # fixed noise: a pure overfit
     losses.append(float(metrics["loss"]))
@@ -88,7 +88,9 @@ def test_lora_dropout_acts_in_training_only(dev):
   _, model = dev
   adapter = lora.init(model.params, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
   adapter = jax.tree.map(lambda x: x + 0.1, adapter)  # non-zero B
-  batch = jax.tree.map(jnp.asarray, data.SyntheticDataset(flux, model.config, 2, 3, 4).batch(0, 0, 2))
+  inputs = flux.random_inputs(model.config, 2, 3, 4, 4)
+  batch = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
+               pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * 2))
   loss = lambda rate, seed: float(train.loss_fn(adapter, model.params, batch, jax.random.key(seed),
                                                 model=model, config=tiny_config(**{"adapter.dropout": rate})))
   assert loss(0.5, 0) != loss(0.0, 0)  # same noise and t, dropped LoRA inputs
@@ -101,19 +103,19 @@ def read_metrics(run_dir):
 
 
 def test_resume_gives_the_same_run(tmp_path):
-  args = ["--config.epochs=4", "--config.checkpoint_every_n_steps=2"]  # 8 samples / (2x2) = 2 steps/epoch
-  full = run_main(tmp_path / "a", *args)
+  args = ["--config.epochs=4", "--config.checkpoint_every_n_steps=2"]  # 3 steps an epoch
+  full = run_main(tmp_path, *args, output="a")
   assert full.returncode == 0, full.stdout
-  half = run_main(tmp_path / "b", "--config.max_steps=4", *args)
+  half = run_main(tmp_path, "--config.max_steps=5", *args, output="b")  # stops mid-epoch
   assert half.returncode == 0, half.stdout
-  resumed = run_main(tmp_path / "b", "--resume_from_checkpoint", *args)
+  resumed = run_main(tmp_path, "--resume_from_checkpoint", *args, output="b")
   assert resumed.returncode == 0, resumed.stdout
   assert "resumed" in resumed.stdout
-  (run_a,) = glob.glob(str(tmp_path / "a" / "runs" / "*"))
-  (run_b,) = glob.glob(str(tmp_path / "b" / "runs" / "*"))
+  (run_a,) = glob.glob(str(tmp_path / "a" / "*"))
+  (run_b,) = glob.glob(str(tmp_path / "b" / "*"))
   losses_a = [m["loss"] for m in read_metrics(run_a)]
   losses_b = [m["loss"] for m in read_metrics(run_b)]
-  assert len(losses_a) == len(losses_b) == 8
+  assert len(losses_a) == len(losses_b) == 12
   np.testing.assert_allclose(losses_b, losses_a, rtol=1e-5)
   final_a = load_file(os.path.join(run_a, "epoch4", lora.WEIGHTS_NAME))
   final_b = load_file(os.path.join(run_b, "epoch4", lora.WEIGHTS_NAME))

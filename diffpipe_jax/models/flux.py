@@ -265,6 +265,11 @@ def training_inputs(cfg: FluxConfig, batch: dict, noisy, t, guidance: float) -> 
               guidance=jnp.full((n,), guidance, jnp.float32) if cfg.guidance_embeds else None)
 
 
+def position_ids(grid) -> np.ndarray:
+  """Position ids of a cached bucket's packed latent grid (rows, columns)."""
+  return image_ids(*grid)
+
+
 def image_ids(height: int, width: int) -> np.ndarray:
   """Position ids [h*w, 3] of a packed latent grid: (0, row, column), as FluxPipeline makes them."""
   ids = np.zeros((height, width, 3), np.float32)
