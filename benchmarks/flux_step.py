@@ -21,6 +21,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = {"no remat": dict(remat="none", transformer_dtype=""),
+         "per-block remat (save dots)": dict(remat="block_save_dots", transformer_dtype=""),
          "per-block remat": dict(remat="block", transformer_dtype=""),
          "fp8 base + per-block remat": dict(remat="block", transformer_dtype="float8")}
 CEILING_TFLOPS = 810.0  # measured bf16 matmul rate of the H200 (REFERENCE.md section 5)
@@ -57,6 +58,7 @@ def run_mode(a, mode):
   step = jax.jit(lambda s, p, b, k: train.train_step(
       s, p, b, k, tx=tx, loss=lambda *x: train.loss_fn(*x, model=model, config=config)),
       donate_argnums=(0,))
+  resident = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)  # weights + state
   t0 = time.perf_counter()
   state, m = step(state, model.params, batches, jax.random.key(2))
   jax.block_until_ready(m)
@@ -69,7 +71,8 @@ def run_mode(a, mode):
     times.append(time.perf_counter() - t0)
   stats = jax.devices()[0].memory_stats() or {}
   return dict(step_s=float(np.median(times[2:])), compile_s=compile_s,
-              peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, loss=float(m["loss"]),
+              peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, resident_gib=resident / 2**30,
+              loss=float(m["loss"]),
               device=jax.devices()[0].device_kind, jax=jax.__version__)
 
 
@@ -85,7 +88,7 @@ def main():
   p.add_argument("--rank", type=int, default=32)
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--peer", default="", help="path of peer_torch_flux.py: run it too, --ckpt 0 and 1")
-  p.add_argument("--modes", default=",".join(MODES))
+  p.add_argument("--modes", default=",".join(m for m in MODES if "save dots" not in m))
   p.add_argument("--mode", help=argparse.SUPPRESS)
   p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: tests the script")
   a = p.parse_args()
@@ -110,14 +113,16 @@ def main():
   print(f"Flux LoRA r{a.rank} step, {'smoke' if a.smoke else 'FLUX.1-dev shape'}, {a.res}^2 "
         f"({tokens} tokens), batch 1, bf16, AdamW; {first['device']}, jax {first['jax']}; "
         f"useful {flop / 1e12:.1f} TFLOP/step")
-  print("| mode | implementation | step (s, median) | peak memory (GiB) | TFLOP/s | of 810 | compile (s) |")
-  print("|---|---|---|---|---|---|---|")
-  rows = [(m, "diffpipe-jax", r["step_s"], r["peak_gib"], r["compile_s"]) for m, r in ours.items()]
+  print("| mode | implementation | step (s, median) | peak memory (GiB) | weights + state (GiB) "
+        "| TFLOP/s | of 810 | compile (s) |")
+  print("|---|---|---|---|---|---|---|---|")
+  rows = [(m, "diffpipe-jax", r["step_s"], r["peak_gib"], r["resident_gib"], r["compile_s"])
+          for m, r in ours.items()]
   rows += [(("no remat", "per-block remat")[c], "PyTorch peer", r["step_s_median"], r["peak_mem_gib"],
-            float("nan")) for c, r in peer.items()]
-  for mode, impl, step_s, peak, compile_s in sorted(rows, key=lambda r: list(MODES).index(r[0])):
+            float("nan"), float("nan")) for c, r in peer.items()]
+  for mode, impl, step_s, peak, resident, compile_s in sorted(rows, key=lambda r: list(MODES).index(r[0])):
     tflops = flop / step_s / 1e12
-    print(f"| {mode} | {impl} | {step_s:.3f} | {peak:.1f} | {tflops:.0f} | "
+    print(f"| {mode} | {impl} | {step_s:.3f} | {peak:.1f} | {resident:.1f} | {tflops:.0f} | "
           f"{tflops / CEILING_TFLOPS:.0%} | {compile_s:.0f} |")
 
 

@@ -47,7 +47,9 @@ def abstract_params(fam, module, config):
   return jax.eval_shape(lambda: module.init(jax.random.key(0), **dummy))["params"]
 
 
-REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable}
+REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
+                  # keep the matmul outputs, recompute the cheap elementwise work between them
+                  "block_save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def storage_finalizer(fam, transformer_dtype: Optional[str]):
@@ -101,12 +103,12 @@ def init_random(name: str, config, key, dtype=jnp.float32, param_dtype=None, tra
   """A randomly initialised model of the given family config (benchmarks, full-size shapes)."""
   fam = family(name)
   module = _module(fam, config, dtype, param_dtype, attention_impl, remat)
-  params = jax.jit(module.init)(key, **fam.random_inputs(config))["params"]
-  finalize = storage_finalizer(fam, transformer_dtype)
-  if finalize:  # leaf by leaf, so the high-precision copy of one leaf is freed before the next
-    pending, flat = table.flatten(params), {}
-    del params
-    for path in list(pending):
-      flat.update(finalize(path, pending.pop(path)))
-    params = table.unflatten(flat)
+  finalize = storage_finalizer(fam, transformer_dtype) or (lambda path, value: {path: value})
+
+  def init(key):  # storage conversion inside the jit: no full high-precision copy outlives it
+    flat = {}
+    for path, value in table.flatten(module.init(key, **fam.random_inputs(config))["params"]).items():
+      flat.update(finalize(path, value))
+    return table.unflatten(flat)
+  params = jax.jit(init)(key)
   return Model(fam, config, module, params)

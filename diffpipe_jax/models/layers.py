@@ -61,9 +61,10 @@ class Linear(Module):
 def quantize_float8(kernel):
   """float8_e4m3fn storage of a (stacked) kernel [..., in, out], kernel ~= q * scale[..., None, :]:
   one scale per output channel, so the scale applies to the matmul's output, not the weight."""
-  k32 = kernel.astype(jnp.float32)
-  scale = jnp.maximum(jnp.abs(k32).max(axis=-2), 1e-12) / float(jnp.finfo(jnp.float8_e4m3fn).max)
-  return (k32 / scale[..., None, :]).astype(jnp.float8_e4m3fn), scale
+  # The max is exact in the kernel's own dtype; no float32 copy of a whole stacked kernel.
+  amax = jnp.abs(kernel).max(axis=-2).astype(jnp.float32)
+  scale = jnp.maximum(amax, 1e-12) / float(jnp.finfo(jnp.float8_e4m3fn).max)
+  return (kernel.astype(jnp.float32) / scale[..., None, :]).astype(jnp.float8_e4m3fn), scale
 
 
 def layer_norm(x, eps=1e-6):
