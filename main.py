@@ -20,7 +20,7 @@ from ml_collections import config_flags
 from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
-from diffpipe_jax import cache, checkpoint, data, lora, media, models, optim, tiny, train
+from diffpipe_jax import cache, checkpoint, data, lora, media, models, optim, sharding, tiny, train
 from diffpipe_jax.convert import CheckpointError
 
 config_flags.DEFINE_config_file("config", None, "configs/*.py file, optionally :variant",
@@ -80,12 +80,19 @@ def main(argv):
     raise app.UsageError("pass --config configs/flux.py[:variant]")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
 
+  # ---------------------------------------------------------------- mesh
+  try:
+    mesh = sharding.make_mesh(config.pipeline_stages)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  data_parallel = mesh.shape["data"]
+
   # ---------------------------------------------------------------- data (cached once)
   family = models.family(config.model.type)
   try:
     path = checkpoint_path(config)
     cached = cache_datasets(config, FLAGS.regenerate_cache)
-    micro, accum = config.micro_batch_size_per_gpu, config.gradient_accumulation_steps
+    micro, accum = config.micro_batch_size_per_gpu * data_parallel, config.gradient_accumulation_steps
     global_batch = micro * accum
     dataset = data.Batches(cached.pop("train"), global_batch, config.seed, family.position_ids)
     evals = {name: data.Batches(dirs, micro, config.seed, family.position_ids, name)
@@ -108,13 +115,15 @@ def main(argv):
     sys.exit(f"error: {e}")
   with open(os.path.join(run_dir, "config.json" if resume is None else "config_resumed.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
-  print(f"run directory: {run_dir}; devices: {jax.devices()}; {steps_per_epoch} steps an epoch")
+  print(f"run directory: {run_dir}; mesh {dict(mesh.shape)} over {len(jax.devices())} devices; "
+        f"global batch {global_batch}; {steps_per_epoch} steps an epoch")
 
   # ---------------------------------------------------------------- model (frozen)
   try:
     model = models.load(config.model.type, path, dtype=jnp.dtype(config.model.dtype),
                         transformer_dtype=config.model.transformer_dtype,
-                        remat=config.activation_checkpointing)
+                        remat=config.activation_checkpointing,
+                        put=lambda x: jax.device_put(x, sharding.NamedSharding(mesh, sharding.P())))
   except CheckpointError as e:
     sys.exit(f"error: {e}")
   params = model.params
@@ -130,16 +139,23 @@ def main(argv):
     return dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
 
   abstract_state = jax.eval_shape(init_state, jax.random.key(config.seed))
+  state_shardings = sharding.tree_shardings(mesh, abstract_state)
+  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                abstract_state, state_shardings)
   ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
   if resume is not None:
     state, meta = ckpt.restore(abstract_state=abstract_state)
+    if meta.get("steps_per_epoch", steps_per_epoch) != steps_per_epoch:
+      sys.exit(f"error: {run_dir} was trained with {meta['steps_per_epoch']} steps an epoch, the "
+               f"data now gives {steps_per_epoch}: the dataset or batch settings changed, so the "
+               "run cannot continue where it stopped; start a new run")
     print(f"resumed {run_dir} at step {meta['step']} (epoch {meta['epoch']})")
   else:
-    state = jax.jit(init_state)(jax.random.key(config.seed))
+    state = jax.jit(init_state, out_shardings=state_shardings)(jax.random.key(config.seed))
     if config.adapter.init_from_existing:
-      state["lora"] = lora.load(config.adapter.init_from_existing, abstract_state["lora"],
-                                family.STACKED, family.LORA_PREFIX)
-      state["opt_state"] = tx.init(state["lora"])
+      state["lora"] = jax.device_put(lora.load(config.adapter.init_from_existing, abstract_state["lora"],
+                                               family.STACKED, family.LORA_PREFIX), state_shardings["lora"])
+      state["opt_state"] = jax.jit(tx.init, out_shardings=state_shardings["opt_state"])(state["lora"])
 
   # ---------------------------------------------------------------- update step
   step_fn = jax.jit(functools.partial(
@@ -150,8 +166,10 @@ def main(argv):
   def run_evals(step):
     """Each eval set's loss at the fixed t quantiles, with the same noise every time."""
     for name, ev in evals.items():
-      losses = np.mean([eval_fn(state["lora"], params, batch, jax.random.key(i))
-                        for i, batch in enumerate(ev.iterate(0))], axis=0)
+      losses = np.mean([eval_fn(state["lora"], params, jax.tree.map(lambda x: x[0], sharding.global_batch(
+          mesh, jax.tree.map(lambda x: x[None], batch))), jax.random.key(i))
+                        for i, batch in enumerate(ev.iterate(0, 0, jax.process_index(), jax.process_count()))],
+                       axis=0)
       for q, value in zip(train.EVAL_QUANTILES, losses):
         writer.add_scalar(f"{name}/loss_quantile_{q:.2f}", value, step)
       writer.add_scalar(f"{name}/loss", losses.mean(), step)
@@ -167,7 +185,9 @@ def main(argv):
     print(f"saved LoRA: {path}")
 
   def save_checkpoint(step):
-    ckpt.save(step, state, dict(step=step, epoch=step // steps_per_epoch))
+    epoch, batch_index = divmod(step, steps_per_epoch)  # where the data continues from
+    ckpt.save(step, state, dict(step=step, epoch=epoch, batch_index=batch_index,
+                                steps_per_epoch=steps_per_epoch))
 
   # ---------------------------------------------------------------- loop
   writer = SummaryWriter(run_dir)
@@ -185,7 +205,8 @@ def main(argv):
     if iter_epoch != epoch:  # a new epoch, or a resumed run: the schedule continues exactly
       batch_iter, iter_epoch = dataset.iterate(epoch, index, jax.process_index(), jax.process_count()), epoch
     batch = next(batch_iter)
-    batches = jax.tree.map(lambda x: x.reshape(accum, micro, *x.shape[1:]), batch)
+    batches = sharding.global_batch(mesh, jax.tree.map(
+        lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch))
     state, metrics = step_fn(state, params, batches, jax.random.fold_in(key, step))
     loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
     if not (np.isfinite(loss) and np.isfinite(grad_norm)):

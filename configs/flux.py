@@ -19,6 +19,7 @@ def get_config(arg=""):
   c.epochs = 100
   c.max_steps = 0  # stop after this many steps (0: run all epochs)
   c.micro_batch_size_per_gpu = 1
+  c.pipeline_stages = 1  # data parallel over all devices (pipeline stages: not yet)
   c.gradient_accumulation_steps = 1
   c.gradient_clipping = 1.0  # global norm; 0 disables
   c.warmup_steps = 0

@@ -27,7 +27,11 @@ def dataset_settings(dataset_config) -> media.DatasetSettings:
   """Our config's dataset section, or a diffusion-pipe dataset.toml given as `toml_path`."""
   d = dict(dataset_config)
   toml_path = d.pop("toml_path", "")
-  return media.settings_from_toml(toml_path) if toml_path else media.settings_from_dict(d)
+  settings = media.settings_from_toml(toml_path) if toml_path else media.settings_from_dict(d)
+  if settings.shuffle_tags:
+    raise ValueError("shuffle_tags needs the text encoded at every step, but text embeddings are "
+                     "cached once: set shuffle_tags = false")
+  return settings
 
 
 def cache_items(directory: media.DirectorySettings, items: Sequence[media.Item], multiple: int,

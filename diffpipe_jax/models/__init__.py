@@ -80,7 +80,7 @@ def _module(fam, config, dtype, param_dtype, attention_impl, remat):
 
 def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
          attention_impl: Optional[str] = "auto", remat="none", axes_dims_rope=None,
-         progress=True) -> Model:
+         put=jax.device_put, progress=True) -> Model:
   """Loads model `name` ("flux") from a diffusers folder or an original single file.
 
   dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype);
@@ -88,13 +88,14 @@ def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_
   attention_impl: "auto" (cuDNN on GPU for 16-bit, else XLA), "cudnn", "xla" or None (XLA).
   remat: "none" or "block" (rematerialise each block in the backward pass).
   axes_dims_rope: only for single files of non-standard head sizes, where it cannot be derived.
+  put: places each converted leaf (e.g. replicated or sharded over a mesh), one at a time.
   """
   fam = family(name)
   config, files, rows = convert.open_checkpoint(fam, path, axes_dims_rope)
   module = _module(fam, config, dtype, param_dtype, attention_impl, remat)
   params = convert.load_params(abstract_params(fam, module, config), fam, files, rows,
-                               param_dtype or dtype, finalize=storage_finalizer(fam, transformer_dtype),
-                               progress=progress)
+                               param_dtype or dtype, put=put,
+                               finalize=storage_finalizer(fam, transformer_dtype), progress=progress)
   return Model(fam, config, module, params)
 
 
