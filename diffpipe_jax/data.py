@@ -31,6 +31,10 @@ def dataset_settings(dataset_config) -> media.DatasetSettings:
   if settings.shuffle_tags:
     raise ValueError("shuffle_tags needs the text encoded at every step, but text embeddings are "
                      "cached once: set shuffle_tags = false")
+  masked = [d.path for d in settings.directories if d.mask_path]
+  if masked:
+    raise ValueError(f"mask_path (set for {masked}) is not supported yet: masks are not cached "
+                     "or applied to the loss; remove mask_path")
   return settings
 
 

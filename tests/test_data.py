@@ -103,3 +103,11 @@ def test_cache_only_with_a_diffusion_pipe_toml(tmp_path):
   assert "cached; exiting" in out.stdout
   assert os.path.isfile(os.path.join(images, "cache", "flux", "manifest.json"))
   assert not os.path.exists(tmp_path / "out")  # caching alone starts no run
+
+
+def test_settings_we_cannot_honour_are_errors(tmp_path):
+  folder = tiny.write_image_dataset(str(tmp_path / "img"), num_images=1)
+  with pytest.raises(ValueError, match="shuffle_tags"):
+    data.dataset_settings(dict(path=folder, shuffle_tags=True))
+  with pytest.raises(ValueError, match="mask_path .* is not supported yet"):
+    data.dataset_settings(dict(directories=[dict(path=folder, mask_path=folder)]))

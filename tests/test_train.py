@@ -28,9 +28,9 @@ def tiny_config(**overrides):
   return config
 
 
-def run_main(tmp_path, *args, output="out"):
+def run_main(tmp_path, *args, output="out", devices=1):
   """main.py on the tiny variant, its model and images generated under tmp_path."""
-  env = dict(os.environ, PYTHONPATH=ROOT)
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   return subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "--config",
                          os.path.join(ROOT, "configs", "flux.py") + ":tiny",
                          f"--config.output_dir={tmp_path}/{output}", *args],
@@ -121,6 +121,14 @@ def test_resume_gives_the_same_run(tmp_path):
   final_b = load_file(os.path.join(run_b, "epoch4", lora.WEIGHTS_NAME))
   for k in final_a:
     np.testing.assert_allclose(final_b[k], final_a[k], rtol=1e-5, atol=1e-7)
+
+  # The same checkpoint resumed under another layout: 2 data-parallel devices, same global batch.
+  half = run_main(tmp_path, "--config.max_steps=5", *args, output="c")
+  resumed = run_main(tmp_path, "--resume_from_checkpoint", "--config.micro_batch_size_per_gpu=1",
+                     *args, output="c", devices=2)
+  assert resumed.returncode == 0 and "'data': 2" in resumed.stdout, resumed.stdout
+  (run_c,) = glob.glob(str(tmp_path / "c" / "*"))
+  np.testing.assert_allclose([m["loss"] for m in read_metrics(run_c)], losses_a, rtol=1e-5)
 
 
 def test_config_typo_is_a_clear_error(tmp_path):
