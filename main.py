@@ -33,8 +33,8 @@ flags.DEFINE_bool("regenerate_cache", False, "rebuild the caches from scratch")
 FLAGS = flags.FLAGS
 
 
-def checkpoint_path(config):
-  """The configured checkpoint; the tiny variant writes its pipeline and images on first use."""
+def prepare_paths(config):
+  """The configured checkpoint path; the tiny variant writes its pipeline and images on first use."""
   m = config.model
   path = m.transformer_path or m.diffusers_path
   if not path:
@@ -90,7 +90,7 @@ def main(argv):
   # ---------------------------------------------------------------- data (cached once)
   family = models.family(config.model.type)
   try:
-    path = checkpoint_path(config)
+    path = prepare_paths(config)
     cached = cache_datasets(config, FLAGS.regenerate_cache)
     micro, accum = config.micro_batch_size_per_gpu * data_parallel, config.gradient_accumulation_steps
     global_batch = micro * accum
@@ -166,10 +166,9 @@ def main(argv):
   def run_evals(step):
     """Each eval set's loss at the fixed t quantiles, with the same noise every time."""
     for name, ev in evals.items():
-      losses = np.mean([eval_fn(state["lora"], params, jax.tree.map(lambda x: x[0], sharding.global_batch(
-          mesh, jax.tree.map(lambda x: x[None], batch))), jax.random.key(i))
-                        for i, batch in enumerate(ev.iterate(0, 0, jax.process_index(), jax.process_count()))],
-                       axis=0)
+      batches = ev.iterate(0, 0, jax.process_index(), jax.process_count())
+      losses = np.mean([eval_fn(state["lora"], params, sharding.global_batch(mesh, batch, batch_axis=0),
+                                jax.random.key(i)) for i, batch in enumerate(batches)], axis=0)
       for q, value in zip(train.EVAL_QUANTILES, losses):
         writer.add_scalar(f"{name}/loss_quantile_{q:.2f}", value, step)
       writer.add_scalar(f"{name}/loss", losses.mean(), step)

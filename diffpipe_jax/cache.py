@@ -32,6 +32,8 @@ import uuid
 import numpy as np
 from tqdm import tqdm
 
+from diffpipe_jax.files import atomic_write
+
 MANIFEST = "manifest.json"
 EMPTY = "empty"
 
@@ -171,18 +173,8 @@ def bucket_name(bucket):
   return "x".join(str(v) for v in bucket)
 
 
-def write_atomic(path, write):
-  """Writes through a temporary name then renames, so `path` is either absent or complete."""
-  tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-  with open(tmp, "wb") as f:
-    write(f)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
 def write_json(path, obj):
-  write_atomic(path, lambda f: f.write(json.dumps(obj).encode()))
+  atomic_write(path, lambda f: f.write(json.dumps(obj).encode()))
 
 
 def write_shard(folder, arrays, meta):
@@ -190,7 +182,7 @@ def write_shard(folder, arrays, meta):
   os.makedirs(folder, exist_ok=True)
   sid = uuid.uuid4().hex[:12]
   for field, value in arrays.items():
-    write_atomic(os.path.join(folder, f"{sid}.{field}.npy"), lambda f: np.save(f, value))
+    atomic_write(os.path.join(folder, f"{sid}.{field}.npy"), lambda f: np.save(f, value))
   write_json(os.path.join(folder, f"{sid}.json"), meta)
   return sid
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffpipe_jax.convert import table
-from diffpipe_jax.convert.tensorfile import CheckpointError, TensorFiles, write_atomic
+from diffpipe_jax.convert.tensorfile import CheckpointError, TensorFiles, write_safetensors
 
 WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 
@@ -98,7 +98,7 @@ def save(lora, directory: str, stacked: Sequence[str], prefix: str, rank: int, s
   tmp = directory.rstrip("/") + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
-  write_atomic(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
+  write_safetensors(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
   with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
     json.dump(config, f, indent=2)
   shutil.rmtree(directory, ignore_errors=True)

@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from diffpipe_jax.convert import table
-from diffpipe_jax.convert.tensorfile import write_atomic
+from diffpipe_jax.convert.tensorfile import write_safetensors
 
 # Smallest Flux that still has every structural feature: several blocks of each kind, a head
 # size (32) whose RoPE axes derive as in FLUX.1 (4, 14, 14), text and pooled widths of their own.
@@ -48,7 +48,7 @@ def save_flux_single_file(model, path, prefix=""):
   """Writes the BFL single-file layout through our reversible conversion table."""
   from diffpipe_jax.models import flux
   tensors = table.to_single_file(state_dict_numpy(model), flux.SINGLE_FILE_TABLE)
-  write_atomic({prefix + k: v for k, v in tensors.items()}, path)
+  write_safetensors({prefix + k: v for k, v in tensors.items()}, path)
   return path
 
 

@@ -109,8 +109,8 @@ def test_wrong_model_folder(tmp_path):
 
 def test_wrong_model_single_file(tmp_path):
   path = str(tmp_path / "vae.safetensors")
-  from diffpipe_jax.convert.tensorfile import write_atomic
-  write_atomic({"encoder.conv_in.weight": np.zeros((4, 3, 3, 3), np.float32)}, path)
+  from diffpipe_jax.convert.tensorfile import write_safetensors
+  write_safetensors({"encoder.conv_in.weight": np.zeros((4, 3, 3, 3), np.float32)}, path)
   with pytest.raises(CheckpointError, match="not a FluxTransformer2DModel single file.*encoder.conv_in"):
     models.load("flux", path)
 
@@ -127,14 +127,14 @@ def test_truncated_file(flux_checkpoints, tmp_path):
 
 
 def test_missing_unexpected_and_misshaped_keys(flux_checkpoints, tmp_path):
-  from diffpipe_jax.convert.tensorfile import TensorFiles, write_atomic
+  from diffpipe_jax.convert.tensorfile import TensorFiles, write_safetensors
   files = TensorFiles([flux_checkpoints["dev"]["bfl"]])
   tensors = {k: np.array(files[k]) for k in files.keys()}
   del tensors["single_blocks.1.linear2.weight"]
   tensors["lora_unet_something.weight"] = np.zeros(3, np.float32)
   tensors["txt_in.bias"] = np.zeros(5, np.float32)
   path = str(tmp_path / "broken.safetensors")
-  write_atomic(tensors, path)
+  write_safetensors(tensors, path)
   with pytest.raises(CheckpointError) as e:
     models.load("flux", path)
   msg = str(e.value)

@@ -5,7 +5,6 @@ a fused qkv) reads only those pages, and nothing is copied until the caller conv
 header is validated against the file size first: reading past the end of a truncated file
 through a memory map would crash the process instead of raising.
 """
-import contextlib
 import json
 import os
 import struct
@@ -13,6 +12,8 @@ from typing import Dict, Iterable, Tuple
 
 import ml_dtypes
 import numpy as np
+
+from diffpipe_jax.files import atomic_write
 
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -112,11 +113,8 @@ def safetensors_in_folder(folder: str):
   return [os.path.join(folder, files[0])]
 
 
-def write_atomic(tensors: Dict[str, np.ndarray], path: str, metadata=None):
-  """Writes a safetensors file through a temporary name, so a crash never leaves half a file."""
-  from safetensors.numpy import save_file
-  tmp = path + ".tmp"
-  with contextlib.ExitStack() as stack:
-    stack.callback(lambda: os.path.exists(tmp) and os.remove(tmp))
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
-    os.replace(tmp, path)
+def write_safetensors(tensors: Dict[str, np.ndarray], path: str, metadata=None):
+  """Writes a safetensors file crash-safely (see `files.atomic_write`)."""
+  from safetensors.numpy import save
+  data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata)
+  atomic_write(path, lambda f: f.write(data))

@@ -39,12 +39,8 @@ def tree_shardings(mesh: Mesh, tree, rules=PARAM_RULES):
   return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def batch_sharding(mesh: Mesh):
-  """[accumulation, micro batch, ...] stacks: the micro batch is split over 'data'."""
-  return NamedSharding(mesh, P(None, "data"))
-
-
-def global_batch(mesh: Mesh, local_batch):
-  """This process's rows of a batch stack -> one global array sharded over 'data'."""
-  sharding = batch_sharding(mesh)
+def global_batch(mesh: Mesh, local_batch, batch_axis: int = 1):
+  """This process's rows -> one global array per leaf, split over 'data' along `batch_axis`
+  (1 for [accumulation, micro batch, ...] stacks, 0 for a plain batch)."""
+  sharding = NamedSharding(mesh, P(*[None] * batch_axis, "data"))
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
