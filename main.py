@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
@@ -30,6 +31,11 @@ flags.DEFINE_string("resume_from_checkpoint", None,
                     "'latest') for the newest")
 flags.DEFINE_bool("cache_only", False, "cache latents and text embeddings, then exit")
 flags.DEFINE_bool("regenerate_cache", False, "rebuild the caches from scratch")
+flags.DEFINE_bool("multihost", False, "several hosts: jax.distributed.initialize() from the "
+                  "cluster's environment (SLURM, Open MPI, ...) or the three flags below")
+flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of process 0")
+flags.DEFINE_integer("num_processes", None, "multi-host: number of processes (one per host)")
+flags.DEFINE_integer("process_id", None, "multi-host: this process's index")
 FLAGS = flags.FLAGS
 
 
@@ -81,6 +87,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
 
   # ---------------------------------------------------------------- mesh
+  if FLAGS.multihost or FLAGS.coordinator_address:
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  is_main_process = jax.process_index() == 0  # the one that writes logs and exports
   try:
     mesh = sharding.make_mesh(config.pipeline_stages)
   except ValueError as e:
@@ -113,55 +122,57 @@ def main(argv):
                if resume is not None else checkpoint.new_run_dir(config.output_dir))
   except (FileNotFoundError, ValueError) as e:
     sys.exit(f"error: {e}")
-  with open(os.path.join(run_dir, "config.json" if resume is None else "config_resumed.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  if is_main_process:
+    with open(os.path.join(run_dir, "config.json" if resume is None else "config_resumed.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
   print(f"run directory: {run_dir}; mesh {dict(mesh.shape)} over {len(jax.devices())} devices; "
         f"global batch {global_batch}; {steps_per_epoch} steps an epoch")
 
-  # ---------------------------------------------------------------- model (frozen)
+  # ---------------------------------------------------------------- model (frozen), on the mesh
   try:
+    layout = sharding.make_layout(mesh, family, models.checkpoint_config(config.model.type, path), accum)
+    if layout.plan is not None:
+      print(layout.plan.describe())
     model = models.load(config.model.type, path, dtype=jnp.dtype(config.model.dtype),
                         transformer_dtype=config.model.transformer_dtype,
-                        remat=config.activation_checkpointing,
-                        put=lambda x: jax.device_put(x, sharding.NamedSharding(mesh, sharding.P())))
+                        remat=config.activation_checkpointing, put=layout.put)
   except CheckpointError as e:
     sys.exit(f"error: {e}")
   params = model.params
 
   # ---------------------------------------------------------------- adapter and optimizer
-  adapter_dtype = jnp.dtype(config.adapter.dtype)
-  init_adapter = functools.partial(lora.init, params, family.LORA_TARGETS, config.adapter.rank,
-                                   adapter_dtype)
+  # The state is created, checkpointed and exported in the plain layer layout, and trained in
+  # the layout's (per pipeline stage): `layout.create` and `to_layers` convert, inside jit.
   tx, lr_fn = optim.make(config, total_steps)
-
-  def init_state(key):
-    adapter = init_adapter(key)
-    return dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
-
-  abstract_state = jax.eval_shape(init_state, jax.random.key(config.seed))
-  state_shardings = sharding.tree_shardings(mesh, abstract_state)
-  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                abstract_state, state_shardings)
+  init_state = functools.partial(train.init_state, layer_params=models.abstract_params(
+      family, model.module, model.config), config=config, tx=tx, family=family)
+  layer_state = jax.eval_shape(init_state, jax.random.key(config.seed))
+  replicated = sharding.tree_shardings(mesh, layer_state)
+  to_layers = jax.jit(layout.to_layers, out_shardings=replicated)  # checkpoints
+  lora_to_layers = jax.jit(layout.to_layers, out_shardings=replicated["lora"])  # exports
   ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
   if resume is not None:
-    state, meta = ckpt.restore(abstract_state=abstract_state)
+    state, meta = ckpt.restore(abstract_state=jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer_state, replicated))
+    state = layout.create(lambda s: s, state)
     if meta.get("steps_per_epoch", steps_per_epoch) != steps_per_epoch:
       sys.exit(f"error: {run_dir} was trained with {meta['steps_per_epoch']} steps an epoch, the "
                f"data now gives {steps_per_epoch}: the dataset or batch settings changed, so the "
                "run cannot continue where it stopped; start a new run")
     print(f"resumed {run_dir} at step {meta['step']} (epoch {meta['epoch']})")
   else:
-    state = jax.jit(init_state, out_shardings=state_shardings)(jax.random.key(config.seed))
+    existing = None
     if config.adapter.init_from_existing:
-      state["lora"] = jax.device_put(lora.load(config.adapter.init_from_existing, abstract_state["lora"],
-                                               family.STACKED, family.LORA_PREFIX), state_shardings["lora"])
-      state["opt_state"] = jax.jit(tx.init, out_shardings=state_shardings["opt_state"])(state["lora"])
+      existing = lora.load(config.adapter.init_from_existing, layer_state["lora"], family.STACKED,
+                           family.LORA_PREFIX)
+    state = layout.create(init_state, jax.random.key(config.seed), existing)
 
   # ---------------------------------------------------------------- update step
   step_fn = jax.jit(functools.partial(
-      train.train_step, tx=tx, loss=functools.partial(train.loss_fn, model=model, config=config)),
+      train.train_step, tx=tx, grads=train.grad_fn(model, config, layout.pipeline)),
       donate_argnums=(0,))
-  eval_fn = jax.jit(functools.partial(train.eval_losses, model=model, config=config))
+  eval_fn = jax.jit(functools.partial(train.eval_losses, model=model, config=config,
+                                      pipeline=layout.pipeline))
 
   def run_evals(step):
     """Each eval set's loss at the fixed t quantiles, with the same noise every time."""
@@ -169,9 +180,8 @@ def main(argv):
       batches = ev.iterate(0, 0, jax.process_index(), jax.process_count())
       losses = np.mean([eval_fn(state["lora"], params, sharding.global_batch(mesh, batch, batch_axis=0),
                                 jax.random.key(i)) for i, batch in enumerate(batches)], axis=0)
-      for q, value in zip(train.EVAL_QUANTILES, losses):
-        writer.add_scalar(f"{name}/loss_quantile_{q:.2f}", value, step)
-      writer.add_scalar(f"{name}/loss", losses.mean(), step)
+      log(step, {f"{name}/loss_quantile_{q:.2f}": v for q, v in zip(train.EVAL_QUANTILES, losses)})
+      log(step, {f"{name}/loss": losses.mean()})
       print(f"eval {name} at step {step}: loss {losses.mean():.4f}")
 
   last_saved_step = None
@@ -179,18 +189,32 @@ def main(argv):
   def save_lora(name):
     nonlocal last_saved_step
     last_saved_step = step
-    path = lora.save(state["lora"], os.path.join(run_dir, name), family.STACKED, family.LORA_PREFIX,
-                     config.adapter.rank, np.dtype(jnp.dtype(config.save_dtype)))
-    print(f"saved LoRA: {path}")
+    adapter = lora_to_layers(state["lora"])
+    if is_main_process:
+      path = lora.save(adapter, os.path.join(run_dir, name), family.STACKED, family.LORA_PREFIX,
+                       config.adapter.rank, np.dtype(jnp.dtype(config.save_dtype)))
+      print(f"saved LoRA: {path}")
 
   def save_checkpoint(step):
     epoch, batch_index = divmod(step, steps_per_epoch)  # where the data continues from
-    ckpt.save(step, state, dict(step=step, epoch=epoch, batch_index=batch_index,
-                                steps_per_epoch=steps_per_epoch))
+    ckpt.save(step, to_layers(state), dict(step=step, epoch=epoch, batch_index=batch_index,
+                                           steps_per_epoch=steps_per_epoch))
 
   # ---------------------------------------------------------------- loop
-  writer = SummaryWriter(run_dir)
-  metrics_log = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # the same, machine-readable
+  if is_main_process:
+    writer = SummaryWriter(run_dir)
+    metrics_log = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # the same, machine-readable
+
+  def log(step, scalars):
+    """TensorBoard scalars; each step's also to metrics.jsonl (process 0 only)."""
+    if not is_main_process:
+      return
+    for name, value in scalars.items():
+      writer.add_scalar(name, float(value), step)
+    if "train/loss" in scalars:
+      metrics_log.write(json.dumps(dict(step=step, **{k[6:]: float(v) for k, v in scalars.items()})) + "\n")
+      metrics_log.flush()
+
   key = jax.random.key(config.seed + 1)
   step = int(state["step"])
   last_checkpoint_time = time.time()
@@ -215,21 +239,16 @@ def main(argv):
     step += 1
     lr = float(lr_fn(step - 1))
     epoch_losses.append(loss)
-    writer.add_scalar("train/loss", loss, step)
-    writer.add_scalar("train/lr", lr, step)
-    writer.add_scalar("train/grad_norm", grad_norm, step)
-    metrics_log.write(json.dumps(dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm)) + "\n")
-    metrics_log.flush()
     peak_gib = peak_device_memory_gib()
-    if peak_gib is not None:
-      writer.add_scalar("train/peak_memory_gib", peak_gib, step)
+    log(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
+               **({"train/peak_memory_gib": peak_gib} if peak_gib is not None else {})})
     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", epoch=epoch + 1,
                     **({"peak_mem": f"{peak_gib:.1f}G"} if peak_gib is not None else {}))
     bar.update(1)
 
     end_of_epoch = step % steps_per_epoch == 0
     if end_of_epoch:
-      writer.add_scalar("train/epoch_loss", float(np.mean(epoch_losses)), epoch + 1)
+      log(epoch + 1, {"train/epoch_loss": np.mean(epoch_losses)})
       epoch_losses = []
       if config.save_every_n_epochs and (epoch + 1) % config.save_every_n_epochs == 0:
         save_lora(f"epoch{epoch + 1}")
@@ -240,12 +259,15 @@ def main(argv):
       run_evals(step)
     due = (config.checkpoint_every_n_steps and step % config.checkpoint_every_n_steps == 0) or (
         time.time() - last_checkpoint_time > 60 * config.checkpoint_every_n_minutes)
+    if jax.process_count() > 1:  # every process must take part in a save: process 0's clock decides
+      due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
     if due or step == total_steps:
       save_checkpoint(step)
       last_checkpoint_time = time.time()
   bar.close()
-  writer.close()
-  metrics_log.close()
+  if is_main_process:
+    writer.close()
+    metrics_log.close()
   if last_saved_step != step:  # always end with an exported LoRA
     save_lora(f"step{step}" if step % steps_per_epoch else f"epoch{step // steps_per_epoch}")
   print(f"done: {step} steps in {run_dir}")

@@ -1,16 +1,20 @@
-"""Flux LoRA training step on one GPU: the project's real step in three memory modes, beside the
-PyTorch peer, in one call.
+"""Flux LoRA training step: the project's real step in three memory modes and any (data, stage)
+device layouts, beside the PyTorch peer, in one call.
 
   python benchmarks/flux_step.py --peer ../shared/bench/peer_torch_flux.py
+  python benchmarks/flux_step.py --modes "per-block remat" --layouts 1x1,2x1,1x2 --microbatches 8
 
 Full FLUX.1-dev shape with random weights, LoRA rank 32 on every block Linear (float32), AdamW,
-bf16 compute, 1024x1024 (4096 image + 512 text tokens), batch 1. Modes: no rematerialisation,
+bf16 compute, 1024x1024 (4096 image + 512 text tokens), one sample per micro-batch and
+data-parallel replica (a step of `--microbatches` M on D x S GPUs trains D * M samples; the
+pipeline runs the M micro-batches as its microbatches). Modes: no rematerialisation,
 per-block rematerialisation, and float8 (e4m3) frozen block weights with per-block remat. Each
-mode (and each peer run) is its own process, so each peak memory is its own. Useful FLOPs are
+mode and layout (and each peer run) is its own process, so each peak memory is its own. Useful FLOPs are
 counted as the peer counts them (forward + input-gradient matmuls, attention x3).
 `--smoke` runs a tiny shape on the CPU to test the script itself.
 """
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -32,33 +36,45 @@ def useful_flop(blocks, dim, tokens):
   return 2 * mm_fwd + 3 * blocks * 4 * tokens * tokens * dim
 
 
-def run_mode(a, mode):
+def run_mode(a, mode, layout_name):
   import jax
   import jax.numpy as jnp
   sys.path.insert(0, os.path.join(ROOT, "configs"))
   import flux as flux_configs
-  from diffpipe_jax import lora, models, optim, train
+  from diffpipe_jax import models, optim, sharding, train
   from diffpipe_jax.models import flux
   from benchmarks.flux_forward import FLUX_DEV, SMOKE
 
+  data, stages = map(int, layout_name.split("x"))
   cfg = flux.config_from_diffusers(SMOKE if a.smoke else FLUX_DEV)
   config = flux_configs.get_config("")
   config.adapter.rank = a.rank
   dtype = jnp.float32 if a.smoke else jnp.bfloat16
-  model = models.init_random("flux", cfg, jax.random.key(0), dtype=dtype, **MODES[mode])
+  devices = jax.devices()[:data * stages]
+  if len(devices) < data * stages:
+    raise SystemExit(f"layout {layout_name} needs {data * stages} devices, {len(devices)} visible")
+  layout = sharding.make_layout(sharding.make_mesh(stages, devices), flux, cfg, a.microbatches,
+                                **({"tick_overhead": a.tick_overhead} if a.tick_overhead else {}))
+  if layout.plan:
+    print(layout.plan.describe(), file=sys.stderr)
+  model = models.init_random("flux", cfg, jax.random.key(0), dtype=dtype, layout=layout, **MODES[mode])
   tx, _ = optim.make(config, 1000)
-  adapter = lora.init(model.params, flux.LORA_TARGETS, a.rank, jnp.float32, jax.random.key(1))
-  state = dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
+  state = layout.create(functools.partial(
+      train.init_state, layer_params=models.abstract_params(flux, model.module, cfg), config=config,
+      tx=tx, family=flux), jax.random.key(1))
   grid = a.res // 16
-  inputs = flux.random_inputs(cfg, 1, grid, grid, a.txt)
+  samples = data * a.microbatches  # one sample per microbatch and data-parallel replica
+  inputs = flux.random_inputs(cfg, samples, grid, grid, a.txt)
   batch = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
-               pooled=inputs["pooled_projections"], img_ids=inputs["img_ids"][None])
-  batches = jax.tree.map(lambda x: jnp.asarray(x[None], dtype if x.ndim == 3 and x.shape[-1] != 3 else x.dtype),
-                         batch)
-  step = jax.jit(lambda s, p, b, k: train.train_step(
-      s, p, b, k, tx=tx, loss=lambda *x: train.loss_fn(*x, model=model, config=config)),
-      donate_argnums=(0,))
-  resident = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)  # weights + state
+               pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * samples))
+  batch = jax.tree.map(lambda x: x.reshape(a.microbatches, data, *x.shape[1:]).astype(
+      dtype if x.ndim == 3 and x.shape[-1] != 3 else x.dtype), batch)
+  batches = sharding.global_batch(layout.mesh, batch)
+  step = jax.jit(functools.partial(train.train_step, tx=tx,
+                                   grads=train.grad_fn(model, config, layout.pipeline)),
+                 donate_argnums=(0,))
+  memory = lambda key: max((d.memory_stats() or {}).get(key, 0) for d in devices) / 2**30
+  resident = memory("bytes_in_use")  # weights + state, per GPU
   t0 = time.perf_counter()
   state, m = step(state, model.params, batches, jax.random.key(2))
   jax.block_until_ready(m)
@@ -69,11 +85,11 @@ def run_mode(a, mode):
     state, m = step(state, model.params, batches, jax.random.key(3 + i))
     jax.block_until_ready(m)
     times.append(time.perf_counter() - t0)
-  stats = jax.devices()[0].memory_stats() or {}
-  return dict(step_s=float(np.median(times[2:])), compile_s=compile_s,
-              peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, resident_gib=resident / 2**30,
-              loss=float(m["loss"]),
-              device=jax.devices()[0].device_kind, jax=jax.__version__)
+  step_s = float(np.median(times[2:]))
+  return dict(step_s=step_s, samples_per_s=samples / step_s, compile_s=compile_s,
+              peak_gib=memory("peak_bytes_in_use"), resident_gib=resident, loss=float(m["loss"]),
+              bubble=layout.plan.bubble() if layout.plan else 0.0,
+              device=devices[0].device_kind, jax=jax.__version__)
 
 
 def sub(args, env=None):
@@ -89,20 +105,27 @@ def main():
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--peer", default="", help="path of peer_torch_flux.py: run it too, --ckpt 0 and 1")
   p.add_argument("--modes", default=",".join(m for m in MODES if "save dots" not in m))
-  p.add_argument("--mode", help=argparse.SUPPRESS)
+  p.add_argument("--layouts", default="1x1", help="(data)x(stage) meshes, comma-separated: 1x1,2x1,1x2")
+  p.add_argument("--microbatches", type=int, default=1,
+                 help="micro-batches a step (gradient accumulation; the pipeline's microbatches)")
+  p.add_argument("--tick_overhead", type=float, help="the pipeline plan's per-tick cost (layers)")
+  p.add_argument("--run", help=argparse.SUPPRESS)  # mode@layout, in a subprocess of its own
   p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: tests the script")
   a = p.parse_args()
   if a.smoke:
     a.res, a.txt, a.steps, a.rank = 64, 8, 2, 4
-  if a.mode:
-    print(json.dumps(run_mode(a, a.mode)))
+  if a.run:
+    print(json.dumps(run_mode(a, *a.run.split("@"))))
     return
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   if a.smoke:
-    env["JAX_PLATFORMS"] = "cpu"
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
   common = [sys.executable, os.path.abspath(__file__), "--res", str(a.res), "--txt", str(a.txt),
-            "--rank", str(a.rank), "--steps", str(a.steps)] + (["--smoke"] if a.smoke else [])
-  ours = {m: sub(common + ["--mode", m], env) for m in a.modes.split(",")}
+            "--rank", str(a.rank), "--steps", str(a.steps), "--microbatches", str(a.microbatches)]
+  common += ["--tick_overhead", str(a.tick_overhead)] if a.tick_overhead else []
+  common += ["--smoke"] if a.smoke else []
+  layouts = a.layouts.split(",")
+  ours = {(m, l): sub(common + ["--run", f"{m}@{l}"], env) for m in a.modes.split(",") for l in layouts}
   peer = {}
   for ckpt in (0, 1) if a.peer else ():
     peer[ckpt] = sub([sys.executable, a.peer, "--res", str(a.res), "--txt", str(a.txt),
@@ -111,19 +134,27 @@ def main():
   flop = useful_flop(57, 3072, tokens) if not a.smoke else float("nan")
   first = next(iter(ours.values()))
   print(f"Flux LoRA r{a.rank} step, {'smoke' if a.smoke else 'FLUX.1-dev shape'}, {a.res}^2 "
-        f"({tokens} tokens), batch 1, bf16, AdamW; {first['device']}, jax {first['jax']}; "
-        f"useful {flop / 1e12:.1f} TFLOP/step")
-  print("| mode | implementation | step (s, median) | peak memory (GiB) | weights + state (GiB) "
-        "| TFLOP/s | of 810 | compile (s) |")
-  print("|---|---|---|---|---|---|---|---|")
-  rows = [(m, "diffpipe-jax", r["step_s"], r["peak_gib"], r["resident_gib"], r["compile_s"])
-          for m, r in ours.items()]
-  rows += [(("no remat", "per-block remat")[c], "PyTorch peer", r["step_s_median"], r["peak_mem_gib"],
-            float("nan"), float("nan")) for c, r in peer.items()]
-  for mode, impl, step_s, peak, resident, compile_s in sorted(rows, key=lambda r: list(MODES).index(r[0])):
-    tflops = flop / step_s / 1e12
-    print(f"| {mode} | {impl} | {step_s:.3f} | {peak:.1f} | {resident:.1f} | {tflops:.0f} | "
-          f"{tflops / CEILING_TFLOPS:.0%} | {compile_s:.0f} |")
+        f"({tokens} tokens), bf16, AdamW, {a.microbatches} micro-batch(es) of 1 per data replica; "
+        f"{first['device']}, jax {first['jax']}; useful {flop / 1e12:.1f} TFLOP/sample")
+  print("| mode | implementation | data x stage | step (s, median) | samples/s | vs 1 GPU | "
+        "peak memory / GPU (GiB) | weights + state / GPU (GiB) | TFLOP/s / GPU | of 810 | "
+        "bubble (theory) | compile (s) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  rows = []
+  for (mode, layout), r in ours.items():
+    gpus = np.prod([int(n) for n in layout.split("x")])
+    one = ours.get((mode, "1x1"))
+    rows.append((mode, "diffpipe-jax", layout, r["step_s"], r["samples_per_s"],
+                 r["samples_per_s"] / one["samples_per_s"] if one else float("nan"), r["peak_gib"],
+                 r["resident_gib"], flop * r["samples_per_s"] / gpus / 1e12, r["bubble"], r["compile_s"]))
+  for c, r in peer.items():
+    rows.append((("no remat", "per-block remat")[c], "PyTorch peer", "1x1", r["step_s_median"],
+                 1 / r["step_s_median"], float("nan"), r["peak_mem_gib"], float("nan"),
+                 flop / r["step_s_median"] / 1e12, 0.0, float("nan")))
+  for mode, impl, layout, step_s, rate, speedup, peak, resident, tflops, bubble, compile_s in sorted(
+      rows, key=lambda r: (list(MODES).index(r[0]), r[2])):
+    print(f"| {mode} | {impl} | {layout} | {step_s:.3f} | {rate:.2f} | {speedup:.2f}x | {peak:.1f} | "
+          f"{resident:.1f} | {tflops:.0f} | {tflops / CEILING_TFLOPS:.0%} | {bubble:.1%} | {compile_s:.0f} |")
 
 
 if __name__ == "__main__":

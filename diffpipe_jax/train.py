@@ -1,17 +1,22 @@
-"""The training step: flow-matching loss of the model with a LoRA, gradient accumulation over
-micro-batches inside one jitted update."""
+"""The training step: flow-matching loss of the model with a LoRA, averaged over the step's
+micro-batches inside one jitted update: one micro-batch after another on each device, or all of
+them at once as the microbatches of a pipeline over the mesh's 'stage' axis."""
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
 
-from diffpipe_jax import flow
+from diffpipe_jax import flow, lora
+from diffpipe_jax.models import layers
 
 
 EVAL_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
-def loss_fn(adapter, params, batch, key, *, model, config, quantile=None):
-  """Flow-matching loss of one micro-batch; differentiated with respect to `adapter` only.
+def model_inputs(batch, key, *, model, config, quantile=None):
+  """(model inputs, flow-matching target, dropout key) for a micro-batch of cached samples.
   With `quantile`, t is that quantile of the timestep distribution for every sample (evals)."""
   m = config.model
   latents = batch["latents"]
@@ -25,28 +30,80 @@ def loss_fn(adapter, params, batch, key, *, model, config, quantile=None):
   noise = jax.random.normal(k_noise, latents.shape, latents.dtype)
   inputs = model.family.training_inputs(model.config, batch, flow.noisy_latents(latents, noise, t),
                                         t, m.guidance)
-  module = model.module.clone(lora_dropout=config.adapter.dropout if quantile is None else 0.0)
-  pred = module.apply({"params": params, "lora": adapter}, **inputs, rngs={"dropout": k_dropout})
-  return flow.mse(pred, noise - latents, batch.get("mask"))
+  return inputs, noise - latents, k_dropout
 
 
-def train_step(state, params, batches, key, *, tx, loss):
-  """One optimizer update from a [accumulation, micro_batch, ...] stack of batches."""
-  def micro(grads, batch_and_key):
-    value, g = jax.value_and_grad(loss)(state["lora"], params, *batch_and_key)
-    return jax.tree.map(jnp.add, grads, g), value
+def _predict(adapter, params, inputs, dropout_key, *, model, config, train, run_stacks):
+  module = model.module.clone(lora_dropout=config.adapter.dropout if train else 0.0)
+  return module.apply({"params": params, "lora": adapter}, **inputs, run_stacks=run_stacks,
+                      rngs={"dropout": dropout_key})
 
+
+def loss_fn(adapter, params, batch, key, *, model, config, quantile=None,
+            run_stacks=layers.run_stacks):
+  """Flow-matching loss of one micro-batch; differentiated with respect to `adapter` only."""
+  inputs, target, k_dropout = model_inputs(batch, key, model=model, config=config, quantile=quantile)
+  pred = _predict(adapter, params, inputs, k_dropout, model=model, config=config,
+                  train=quantile is None, run_stacks=run_stacks)
+  return flow.mse(pred, target, batch.get("mask"))
+
+
+def pipelined_loss(adapter, params, batches, keys, *, model, config, pipeline):
+  """The mean of `loss_fn` over a [microbatches, micro batch, ...] stack (same samples, same
+  noise), computed in one pass through `pipeline` with the microbatches in flight together."""
+  inputs, targets, k_dropout = jax.vmap(functools.partial(
+      model_inputs, model=model, config=config))(batches, keys)
+  merge = lambda x: x.reshape(-1, *x.shape[2:])  # [M, micro, ...] -> [M * micro, ...]
+  inputs = {k: None if v is None else v[0] if k in model.family.SHARED_INPUTS else merge(v)
+            for k, v in inputs.items()}
+  pred = _predict(adapter, params, inputs, k_dropout[0], model=model, config=config, train=True,
+                  run_stacks=pipeline.run)
+  pred = pred.reshape(targets.shape[:2] + pred.shape[1:])
+  masks = batches.get("mask")
+  return jax.vmap(flow.mse)(pred, targets, *([masks] if masks is not None else [])).mean()
+
+
+def grad_fn(model, config, pipeline=None):
+  """(adapter, params, batches [A, micro batch, ...], keys [A]) -> (mean loss, mean gradient).
+  Without a pipeline the micro-batches run one after another (the memory of one micro-batch)."""
+  if pipeline is not None:
+    return jax.value_and_grad(functools.partial(pipelined_loss, model=model, config=config,
+                                                pipeline=pipeline))
+  loss = jax.value_and_grad(functools.partial(loss_fn, model=model, config=config))
+
+  def accumulate(adapter, params, batches, keys):
+    def micro(grads, batch_and_key):
+      value, g = loss(adapter, params, *batch_and_key)
+      return jax.tree.map(jnp.add, grads, g), value
+    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, adapter), (batches, keys))
+    return losses.mean(), jax.tree.map(lambda g: g / len(losses), grads)
+  return accumulate
+
+
+def init_state(key, adapter=None, *, layer_params, config, tx, family):
+  """The training state in the plain layer layout: a new LoRA for the family's targets (or the
+  given one), its optimizer state and the step count."""
+  if adapter is None:
+    adapter = lora.init(layer_params, family.LORA_TARGETS, config.adapter.rank,
+                        jnp.dtype(config.adapter.dtype), key)
+  return dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
+
+
+def train_step(state, params, batches, key, *, tx, grads):
+  """One optimizer update from a [accumulation, micro_batch, ...] stack of batches; `grads` is
+  a `grad_fn`."""
   n = jax.tree.leaves(batches)[0].shape[0]
-  zeros = jax.tree.map(jnp.zeros_like, state["lora"])
-  grads, losses = jax.lax.scan(micro, zeros, (batches, jax.random.split(key, n)))
-  grads = jax.tree.map(lambda g: g / n, grads)
-  updates, opt_state = tx.update(grads, state["opt_state"], state["lora"])
+  loss, g = grads(state["lora"], params, batches, jax.random.split(key, n))
+  updates, opt_state = tx.update(g, state["opt_state"], state["lora"])
   new_state = dict(lora=jax.tree.map(jnp.add, state["lora"], updates), opt_state=opt_state,
                    step=state["step"] + 1)
-  return new_state, dict(loss=losses.mean(), grad_norm=optax.tree.norm(grads))
+  return new_state, dict(loss=loss, grad_norm=optax.tree.norm(g))
 
 
-def eval_losses(adapter, params, batch, key, *, model, config):
-  """Losses at the fixed timestep quantiles, with noise fixed by `key` (a [Q] array)."""
-  return jnp.stack([loss_fn(adapter, params, batch, key, model=model, config=config, quantile=q)
-                    for q in EVAL_QUANTILES])
+def eval_losses(adapter, params, batch, key, *, model, config, pipeline=None):
+  """Losses at the fixed timestep quantiles, with noise fixed by `key` (a [Q] array); through
+  the pipeline as a single microbatch when there is one."""
+  run = layers.run_stacks if pipeline is None else dataclasses.replace(
+      pipeline, plan=dataclasses.replace(pipeline.plan, microbatches=1)).run
+  return jnp.stack([loss_fn(adapter, params, batch, key, model=model, config=config, quantile=q,
+                            run_stacks=run) for q in EVAL_QUANTILES])

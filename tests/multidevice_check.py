@@ -1,5 +1,9 @@
-"""Run in its own process with 8 fake CPU devices (see test_sharding.py): on (data) meshes of 1,
-2, 4 and 8 devices the LoRA gradients, losses and a short training run equal one device's."""
+"""Run in its own process with 8 fake CPU devices (see test_sharding.py): on every (data, stage)
+layout the loss and LoRA gradients of a step, and a short training run, equal one device's.
+
+The tiny model has 2 double and 3 single blocks, so 2, 4 and 8 stages all split unevenly and
+carry padding layers."""
+import functools
 import os
 import sys
 
@@ -14,47 +18,56 @@ from diffpipe_jax.models import flux  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
 import flux as flux_configs  # noqa: E402
 
+LAYOUTS = ((2, 1), (8, 1), (1, 2), (2, 2), (1, 4), (2, 4), (1, 8))  # (data, stage)
 
-def run(model, config, mesh, steps=3, batch=16, accum=2):
+
+def batches_for(cfg, step, mesh, batch=32, accum=4):
+  inputs = flux.random_inputs(cfg, batch, 4, 4, 6, seed=step)
+  local = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
+               pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * batch))
+  local = jax.tree.map(lambda x: x.reshape(accum, batch // accum, *x.shape[1:]), local)
+  return sharding.global_batch(mesh, local)
+
+
+def run(path, config, data, stages, steps=3, accum=4):
+  """(step-0 loss, step-0 LoRA gradients, losses of `steps` updates, final LoRA), plain layout."""
+  mesh = sharding.make_mesh(stages, jax.devices()[:data * stages])
+  layout = sharding.make_layout(mesh, flux, models.checkpoint_config("flux", path), accum)
+  model = models.load("flux", path, put=layout.put, progress=False)
   tx, _ = optim.make(config, steps)
-  replicated = sharding.tree_shardings(mesh, model.params)
-  params = jax.device_put(model.params, replicated)
-  adapter = lora.init(model.params, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
+  layer_params = models.abstract_params(flux, model.module, model.config)
+  adapter = lora.init(layer_params, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
   adapter = jax.tree.map(lambda x: x + 0.05, adapter)  # non-zero B: gradients reach A too
-  state = dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
-  state = jax.device_put(state, sharding.tree_shardings(mesh, state))
-  step = jax.jit(lambda s, p, b, k: train.train_step(
-      s, p, b, k, tx=tx, loss=lambda *a: train.loss_fn(*a, model=model, config=config)))
-  grad_fn = jax.jit(jax.grad(lambda a, p, b, k: train.loss_fn(a, p, b, k, model=model, config=config)))
-  losses, grads = [], None
+  state = layout.create(functools.partial(train.init_state, layer_params=layer_params,
+                                          config=config, tx=tx, family=flux), None, adapter)
+  grads = train.grad_fn(model, config, layout.pipeline)
+  step = jax.jit(lambda s, p, b, k: train.train_step(s, p, b, k, tx=tx, grads=grads))
+  keys = jax.random.split(jax.random.key(99), accum)
+  loss0, grads0 = jax.jit(grads)(state["lora"], model.params, batches_for(model.config, 0, mesh), keys)
+  losses = []
   for i in range(steps):
-    inputs = flux.random_inputs(model.config, batch, 4, 4, 6, seed=i)
-    local = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
-                 pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * batch))
-    local = jax.tree.map(lambda x: x.reshape(accum, batch // accum, *x.shape[1:]), local)
-    batches = sharding.global_batch(mesh, local)
-    if grads is None:  # the gradient of one micro-batch, before any update
-      grads = jax.device_get(grad_fn(state["lora"], params, jax.tree.map(lambda x: x[0], batches),
-                                     jax.random.key(99)))
-    state, m = step(state, params, batches, jax.random.key(i))
+    state, m = step(state, model.params, batches_for(model.config, i, mesh), jax.random.key(i))
     losses.append(float(m["loss"]))
-  return losses, grads, jax.device_get(state["lora"])
+  plain = jax.jit(layout.to_layers)
+  return float(loss0), jax.device_get(plain(grads0)), losses, jax.device_get(plain(state["lora"])), layout
 
 
 def main(path):
   assert len(jax.devices()) == 8
-  model = models.load("flux", path, progress=False)
   config = flux_configs.get_config("tiny")
   rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
-  ref_losses, ref_grads, ref_lora = run(model, config, sharding.make_mesh(1, jax.devices()[:1]))
-  for n in (2, 4, 8):
-    losses, grads, adapter = run(model, config, sharding.make_mesh(1, jax.devices()[:n]))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  ref_loss, ref_grads, ref_losses, ref_lora, _ = run(path, config, 1, 1)
+  for data, stages in LAYOUTS:
+    loss, grads, losses, adapter, layout = run(path, config, data, stages)
+    if layout.plan is not None:
+      print(layout.plan.describe())
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
       assert rel(a, b) <= 1e-5, rel(a, b)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(adapter), jax.tree.leaves(ref_lora)):
       assert rel(a, b) <= 1e-5, rel(a, b)  # Adam amplifies noise of near-zero gradients elementwise
-    print(f"data={n}: losses {losses} match one device")
+    print(f"(data, stage) = ({data}, {stages}): loss, gradients and losses {losses} match one device")
   print("ok")
 
 

@@ -19,7 +19,9 @@ def test_flux_forward_benchmark_smoke(tmp_path):
 
 def test_flux_step_benchmark_smoke():
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "flux_step.py"), "--smoke"],
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "flux_step.py"), "--smoke",
+                        "--layouts", "1x1,2x2", "--microbatches", "2"],
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
   rows = [line for line in out.splitlines() if line.startswith("| ") and "diffpipe-jax" in line]
-  assert len(rows) == 3, out  # no remat, per-block remat, fp8 base
+  assert len(rows) == 6, out  # no remat, per-block remat, fp8 base; on 1 and on 2x2 devices
+  assert all(float(row.split("|")[6].strip(" x")) > 0 for row in rows), out  # speed-ups

@@ -47,7 +47,7 @@ def trained_adapter(model, config, steps, samples=2):
   adapter = lora.init(model.params, flux.LORA_TARGETS, config.adapter.rank, jnp.float32, jax.random.key(0))
   state = dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
   step = jax.jit(lambda s, b, k: train.train_step(
-      s, model.params, b, k, tx=tx, loss=lambda *a: train.loss_fn(*a, model=model, config=config)))
+      s, model.params, b, k, tx=tx, grads=train.grad_fn(model, config)))
   losses = []
   for i in range(steps):
     batches = jax.tree.map(lambda x: x.reshape(1, samples, *x.shape[1:]), batch)
@@ -122,8 +122,10 @@ def test_resume_gives_the_same_run(tmp_path):
   for k in final_a:
     np.testing.assert_allclose(final_b[k], final_a[k], rtol=1e-5, atol=1e-7)
 
-  # The same checkpoint resumed under another layout: 2 data-parallel devices, same global batch.
-  half = run_main(tmp_path, "--config.max_steps=5", *args, output="c")
+  # Layouts: 5 steps on a 2-stage pipeline, resumed on 2 data-parallel devices (same global batch).
+  half = run_main(tmp_path, "--config.max_steps=5", "--config.pipeline_stages=2", *args, output="c",
+                  devices=2)
+  assert half.returncode == 0 and "stage 1: transformer_blocks 1" in half.stdout, half.stdout
   resumed = run_main(tmp_path, "--resume_from_checkpoint", "--config.micro_batch_size_per_gpu=1",
                      *args, output="c", devices=2)
   assert resumed.returncode == 0 and "'data': 2" in resumed.stdout, resumed.stdout

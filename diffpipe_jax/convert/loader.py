@@ -45,8 +45,8 @@ def open_checkpoint(family, path: str, axes_dims_rope=None):
   return family.config_from_single_file(files.shapes(), axes_dims_rope), files, family.SINGLE_FILE_TABLE
 
 
-def load_params(abstract, family, files, rows, dtype, put=jax.device_put, finalize=None,
-                progress=True):
+def load_params(abstract, family, files, rows, dtype, put=lambda path, x: jax.device_put(x),
+                finalize=None, progress=True):
   """Checks the checkpoint against `abstract` (eval_shape of the model's init), then converts it
   leaf by leaf into `dtype` arrays placed by `put`; `finalize(path, array)` may turn each leaf
   into other leaves ({path: array}) before the next is read (float8 storage). Returns the tree."""

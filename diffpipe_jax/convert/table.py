@@ -197,14 +197,14 @@ def read_tensor(files, source) -> np.ndarray:
 def load_leaves(abstract: Mapping, stacked: Sequence[str], files, sources, dtype, put):
   """Yields (path, array) for every leaf: its layers are copied from the memory-mapped files into
   one preallocated host buffer of the target dtype, in torch layout (contiguous copies), which
-  `put` places (e.g. `jax.device_put`) before the next leaf is read; kernels are then transposed
+  `put(path, buffer)` places (e.g. on a mesh) before the next leaf is read; kernels are then transposed
   on the device. Host memory holds one leaf at a time beside the file's page cache."""
   for path, leaf in flatten(abstract).items():
     torch_shape = leaf.shape[:-2] + leaf.shape[:-3:-1] if path[-1] == "kernel" else leaf.shape
     buf = np.empty(torch_shape, dtype)
     for i in range(leaf.shape[0]) if is_stacked(path, stacked) else [None]:
       buf[... if i is None else i] = read_tensor(files, sources[diffusers_key(path, i)])
-    value = put(buf)
+    value = put(path, buf)
     del buf
     yield path, _swap_last_axes(value) if path[-1] == "kernel" else value
 

@@ -78,9 +78,14 @@ def _module(fam, config, dtype, param_dtype, attention_impl, remat):
                          attention_impl=attention_impl, remat=REMAT_POLICIES[remat])
 
 
+def checkpoint_config(name: str, path: str, axes_dims_rope=None):
+  """The model config of a checkpoint (read from its config.json or its tensor shapes)."""
+  return convert.open_checkpoint(family(name), path, axes_dims_rope)[0]
+
+
 def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
          attention_impl: Optional[str] = "auto", remat="none", axes_dims_rope=None,
-         put=jax.device_put, progress=True) -> Model:
+         put=lambda path, x: jax.device_put(x), progress=True) -> Model:
   """Loads model `name` ("flux") from a diffusers folder or an original single file.
 
   dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype);
@@ -88,7 +93,8 @@ def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_
   attention_impl: "auto" (cuDNN on GPU for 16-bit, else XLA), "cudnn", "xla" or None (XLA).
   remat: "none" or "block" (rematerialise each block in the backward pass).
   axes_dims_rope: only for single files of non-standard head sizes, where it cannot be derived.
-  put: places each converted leaf (e.g. replicated or sharded over a mesh), one at a time.
+  put(path, host array): places each converted leaf (e.g. on a mesh, see sharding.Layout),
+  one at a time.
   """
   fam = family(name)
   config, files, rows = convert.open_checkpoint(fam, path, axes_dims_rope)
@@ -100,8 +106,9 @@ def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_
 
 
 def init_random(name: str, config, key, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
-                attention_impl: Optional[str] = "auto", remat="none") -> Model:
-  """A randomly initialised model of the given family config (benchmarks, full-size shapes)."""
+                attention_impl: Optional[str] = "auto", remat="none", layout=None) -> Model:
+  """A randomly initialised model of the given family config (benchmarks, full-size shapes),
+  created directly in `layout` (a sharding.Layout) when one is given."""
   fam = family(name)
   module = _module(fam, config, dtype, param_dtype, attention_impl, remat)
   finalize = storage_finalizer(fam, transformer_dtype) or (lambda path, value: {path: value})
@@ -111,5 +118,5 @@ def init_random(name: str, config, key, dtype=jnp.float32, param_dtype=None, tra
     for path, value in table.flatten(module.init(key, **fam.random_inputs(config))["params"]).items():
       flat.update(finalize(path, value))
     return table.unflatten(flat)
-  params = jax.jit(init)(key)
+  params = jax.jit(init)(key) if layout is None else layout.create(init, key)
   return Model(fam, config, module, params)

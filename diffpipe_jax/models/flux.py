@@ -1,9 +1,9 @@
 """FLUX.1 transformer (dev with guidance embedding, schnell without) in Flax.
 
 Reimplements diffusers `FluxTransformer2DModel` with the same parameter names; the 19 double-
-and 38 single-stream blocks are stacked along a leading layer axis and run under `nn.scan`, so
+and 38 single-stream blocks are stacked along a leading layer axis and run by `lax.scan`, so
 their parameters are one array per weight (`transformer_blocks/attn/to_q/kernel` is
-[num_layers, D, D]) that the mesh's `stage` axis can later shard.
+[num_layers, D, D]) that a pipeline splits over the mesh's `stage` axis.
 
 `SINGLE_FILE_TABLE` maps the Black Forest Labs single-file layout (`flux1-dev.safetensors`) onto
 the diffusers names; `diffpipe_jax.convert` reads it in both directions.
@@ -46,6 +46,7 @@ STACKED = ("transformer_blocks", "single_transformer_blocks")
 # diffusion-pipe's LoRA targets: every Linear inside the blocks, AdaLN modulation included.
 LORA_TARGETS = (r"transformer_blocks\..*", r"single_transformer_blocks\..*")
 FLOAT8_TARGETS = LORA_TARGETS  # the frozen weights that float8 storage covers: the blocks' Linears
+SHARED_INPUTS = ("img_ids", "txt_ids")  # forward inputs without a batch axis
 LORA_PREFIX = "transformer."  # the key prefix that diffusers' and ComfyUI's Flux loaders expect
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 
@@ -132,13 +133,15 @@ SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 class DoubleBlock(layers.Module):
   """diffusers `FluxTransformerBlock`: separate weights for the image and text streams, joint
-  attention over [text; image]."""
+  attention over [text; image]. Takes and returns the concatenated [text; image] sequence, so
+  that every block of the model carries one activation of one shape (as the pipeline needs)."""
   cfg: FluxConfig
+  txt_len: int
   attention_impl: Optional[str] = None
 
   @nn.compact
-  def __call__(self, carry, temb, rope):
-    img, txt = carry
+  def __call__(self, x, temb, rope):
+    txt, img = x[:, :self.txt_len], x[:, self.txt_len:]
     c, kw = self.cfg, self.kw
     mod = layers.AdaLNModulation(c.inner_dim, 6, name="norm1", **kw)(temb)
     cmod = layers.AdaLNModulation(c.inner_dim, 6, name="norm1_context", **kw)(temb)
@@ -148,7 +151,7 @@ class DoubleBlock(layers.Module):
                            context=layers.modulate(layers.layer_norm(txt), cmod[0], cmod[1]))
     img = self._residual_mlp(img, img_attn, mod, "ff")
     txt = self._residual_mlp(txt, txt_attn, cmod, "ff_context")
-    return (img, txt), None
+    return jnp.concatenate([txt, img], axis=1)
 
   def _residual_mlp(self, x, attn_out, mod, name):
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod
@@ -161,6 +164,7 @@ class SingleBlock(layers.Module):
   """diffusers `FluxSingleTransformerBlock` on the concatenated [text; image] sequence: parallel
   attention and MLP branches, fused by `proj_out`."""
   cfg: FluxConfig
+  txt_len: int
   attention_impl: Optional[str] = None
 
   @nn.compact
@@ -172,17 +176,14 @@ class SingleBlock(layers.Module):
     attn = layers.Attention(c.num_attention_heads, c.attention_head_dim, pre_only=True,
                             implementation=self.attention_impl, name="attn", **kw)(h, rope)
     out = Linear(c.inner_dim, name="proj_out", **kw)(jnp.concatenate([attn, mlp], axis=-1))
-    return x + gate[:, None] * out, None
+    return x + gate[:, None] * out
 
 
-def _stack(block, length, name, remat=None, **kw):
-  """`length` copies of `block` with parameters stacked on a leading axis, run by lax.scan;
-  with a `remat` policy each block is rematerialised in the backward pass."""
-  if remat is not None:
-    block = nn.remat(block, policy=remat, prevent_cse=False)
-  scanned = nn.scan(block, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True, "dropout": True},
-                    in_axes=(nn.broadcast, nn.broadcast), length=length)
-  return scanned(name=name, **kw)
+def stack_layouts(cfg: FluxConfig):
+  """(stack name, layers, relative cost of a layer) in execution order. A double block has
+  2.4x the weights of a single one but the same matmul FLOPs per token (12 D^2: qkv 3, out 1,
+  MLP 8 against qkv 3, MLP 4, fused out 5) and the same attention, so both cost 1."""
+  return ((STACKED[0], cfg.num_layers, 1.0), (STACKED[1], cfg.num_single_layers, 1.0))
 
 
 class Flux(layers.Module):
@@ -193,13 +194,13 @@ class Flux(layers.Module):
 
   @nn.compact
   def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
-               img_ids, txt_ids, guidance=None):
+               img_ids, txt_ids, guidance=None, run_stacks=layers.run_stacks):
     """hidden_states [B, L, C] packed latents; encoder_hidden_states [B, T, joint_dim];
     pooled_projections [B, pooled_dim]; timestep [B] in [0, 1]; img_ids [L, 3]; txt_ids [T, 3];
-    guidance [B] (dev only). Returns the prediction [B, L, C_out]."""
+    guidance [B] (dev only). Returns the prediction [B, L, C_out].
+    `run_stacks` runs the block stacks: one device by default, or a pipeline over a mesh."""
     c = self.cfg
     kw = self.kw
-    block_kw = dict(cfg=c, attention_impl=self.attention_impl, remat=self.remat, **kw)
     img = Linear(c.inner_dim, name="x_embedder", **kw)(hidden_states.astype(self.dtype))
     txt = Linear(c.inner_dim, name="context_embedder", **kw)(encoder_hidden_states.astype(self.dtype))
 
@@ -215,11 +216,15 @@ class Flux(layers.Module):
         pooled_projections)
 
     rope = layers.rope_tables(jnp.concatenate([txt_ids, img_ids], axis=0), c.axes_dims_rope, 10000.0)
-    (img, txt), _ = _stack(DoubleBlock, c.num_layers, "transformer_blocks", **block_kw)(
-        (img, txt), temb, rope)
-    x, _ = _stack(SingleBlock, c.num_single_layers, "single_transformer_blocks", **block_kw)(
-        jnp.concatenate([txt, img], axis=1), temb, rope)
-    img = x[:, txt.shape[1]:]
+    x = jnp.concatenate([txt, img], axis=1)
+    stacks = []
+    for (name, length, _), block in zip(stack_layouts(c), (DoubleBlock, SingleBlock)):
+      block = block(c, txt.shape[1], self.attention_impl, parent=None, **kw)
+      stacks.append(layers.Stack(
+          name, block, length, layers.stacked_params(self, name, block, length, x, temb, rope),
+          self.get_variable("lora", name) if self.has_variable("lora", name) else None))
+    key = self.make_rng("dropout") if self.lora_dropout > 0 else None
+    img = run_stacks(stacks, x, (temb,), (rope,), remat=self.remat, key=key)[:, txt.shape[1]:]
 
     scale, shift = layers.AdaLNModulation(c.inner_dim, 2, name="norm_out", **kw)(temb)
     out_dim = c.patch_size ** 2 * c.out_channels

@@ -8,12 +8,15 @@ Every module takes `dtype` (compute), `param_dtype` (storage) and `lora_dropout`
 Norms, RoPE and the timestep sinusoids are computed in float32 whatever the compute dtype, as
 diffusers does.
 """
+import dataclasses
+import functools
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Dtype = Any
 
@@ -208,3 +211,73 @@ class Attention(Module):
     ctx_out, out = out[:, :context.shape[1]], out[:, context.shape[1]:]
     return (Linear(x.shape[-1], name="to_out.0", **kw)(out),
             Linear(context.shape[-1], name="to_add_out", **kw)(ctx_out))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+  """A group of identical blocks whose parameters (and LoRA) are stacked on a leading layer axis.
+  `block` is an unbound module called as `block(x, *per_sample, *shared)` -> x."""
+  name: str
+  block: nn.Module
+  length: int
+  params: Any
+  lora: Any = None
+
+
+LAYER_WEIGHTS = "layer_weights"  # the checkpoint name of one layer's slice of the stacked weights
+
+
+def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=None, start=None,
+               count=None, valid=None):
+  """x through the layers of `stack` by lax.scan, each rematerialised under the jax.checkpoint
+  policy `remat` (None: no rematerialisation).
+
+  The whole stack: the stacked weights are the scan's xs, which the backward pass reads in place.
+  A chunk (`count` layers from layer `start`, the pipeline's): each layer slices its weights
+  inside a checkpoint that never saves the slice, so the backward pass slices again instead of
+  keeping a stacked copy; where `valid[i]` is False, layer i passes x on unchanged (padding of
+  uneven stages: computed, as the busy stages compute meanwhile, and selected away).
+  """
+  def apply(x, variables, i):
+    rngs = None if key is None else {"dropout": jax.random.fold_in(key, i)}
+    return stack.block.apply(variables, x, *args, rngs=rngs)
+
+  if count is None:
+    apply = apply if remat is None else jax.checkpoint(apply, policy=remat, prevent_cse=False)
+    def layer(x, xs):
+      params, lora, i = xs
+      return apply(x, {"params": params, **({"lora": lora} if lora is not None else {})}, i), None
+    return jax.lax.scan(layer, x, (stack.params, stack.lora, jnp.arange(stack.length)))[0]
+
+  @functools.partial(jax.checkpoint, prevent_cse=False,
+                     policy=remat or jax.checkpoint_policies.save_anything_except_these_names(LAYER_WEIGHTS))
+  def apply_layer(x, i):
+    take = lambda tree: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+    variables = {"params": jax.tree.map(lambda a: checkpoint_name(a, LAYER_WEIGHTS), take(stack.params))}
+    if stack.lora is not None:
+      variables["lora"] = take(stack.lora)
+    return apply(x, variables, i)
+
+  def layer(x, j):
+    i = start + j
+    y = apply_layer(x, i)
+    return (y if valid is None else jnp.where(valid[i], y, x)), None
+  return jax.lax.scan(layer, x, jnp.arange(count))[0]
+
+
+def run_stacks(stacks: Sequence[Stack], x, per_sample, shared, *, remat=None, key=None):
+  """The stacks one after the other on one device (the pipeline's counterpart is in sharding)."""
+  for n, stack in enumerate(stacks):
+    x = run_layers(stack, x, (*per_sample, *shared), remat=remat,
+                   key=None if key is None else jax.random.fold_in(key, n))
+  return x
+
+
+def stacked_params(module: nn.Module, name: str, block: nn.Module, length: int, *example_args):
+  """`module`'s parameter subtree `name`: `length` initialisations of `block` stacked on a
+  leading axis; when the variables already hold it (any layout), it is returned as it is."""
+  if module.has_variable("params", name):
+    return module.get_variable("params", name)
+  init = lambda key: jax.vmap(lambda k: block.init(k, *example_args)["params"])(
+      jax.random.split(key, length))
+  return module.param(name, init)

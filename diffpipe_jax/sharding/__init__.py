@@ -1,42 +1,104 @@
 """The device mesh ('data', 'stage') and how arrays are laid out on it, as data.
 
-Data parallelism: every batch is split over 'data'; weights, LoRA and optimizer state are
-replicated, so XLA all-reduces the LoRA gradients. Pipeline stages ('stage' > 1) land with the
-pipeline loop; until then a mesh has one stage.
+Data parallelism: every batch is split over 'data'; the LoRA and optimizer state are replicated
+over it, so XLA all-reduces the LoRA gradients. Pipeline parallelism (stages > 1, see
+`pipeline.py`): the block stacks' weights, LoRA and Adam moments are stored per stage, sharded
+over 'stage'; everything else (embedders, final layers) is replicated.
 """
+import dataclasses
 import re
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXES = ("data", "stage")
+from diffpipe_jax.sharding import pipeline as pipeline_lib
 
-# (regex over "/"-joined parameter paths, partition spec): the first match wins.
-PARAM_RULES = ((r".*", P()),)
+AXES = ("data", "stage")
 
 
 def make_mesh(pipeline_stages: int = 1, devices=None) -> Mesh:
-  """A (data, stage) mesh over all devices: data-parallel degree = devices / stages."""
+  """A (data, stage) mesh over all devices: data-parallel degree = devices / stages. A stage
+  group is consecutive devices, so that the pipeline's transfers stay within a host."""
   devices = list(devices if devices is not None else jax.devices())
   if pipeline_stages < 1 or len(devices) % pipeline_stages:
-    raise ValueError(f"pipeline_stages={pipeline_stages} does not divide the {len(devices)} devices")
-  if pipeline_stages != 1:
-    raise ValueError("pipeline_stages > 1 is not implemented yet; use pipeline_stages=1 "
-                     "(data parallel over all devices)")
+    raise ValueError(f"pipeline_stages={pipeline_stages} does not divide the {len(devices)} devices; "
+                     f"use a divisor of {len(devices)}")
   grid = np.array(devices).reshape(len(devices) // pipeline_stages, pipeline_stages)
   return Mesh(grid, AXES)
 
 
-def tree_shardings(mesh: Mesh, tree, rules=PARAM_RULES):
+def param_rules(stacked: Sequence[str], pipelined: bool):
+  """(regex over "/"-joined parameter paths, partition spec) pairs: the first match wins.
+  They cover the weights, the LoRA and the optimizer state (whose paths end in the same names)."""
+  stage = ((rf"(.*/)?({'|'.join(map(re.escape, stacked))})/.*", P("stage")),) if pipelined else ()
+  return stage + ((r".*", P()),)
+
+
+def _path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def tree_shardings(mesh: Mesh, tree, rules=param_rules((), False)):
   """A NamedSharding for every leaf of `tree` from `rules`; a leaf no rule covers is an error."""
   def spec(path, _):
-    name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    name = _path_name(path)
     for pattern, s in rules:
       if re.fullmatch(pattern, name):
         return NamedSharding(mesh, s)
     raise ValueError(f"no sharding rule covers {name}")
   return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where the frozen weights and the training state live on `mesh`. With a pipeline `plan`,
+  stacked leaves are stored per stage ([S, chunks, ...], `plan.to_stages`); checkpoints and
+  exported LoRAs always hold the plain layer layout, so any layout can resume any other."""
+  mesh: Mesh
+  stacked: tuple
+  plan: Optional[pipeline_lib.Plan] = None
+
+  @property
+  def pipeline(self) -> Optional[pipeline_lib.Pipeline]:
+    return None if self.plan is None else pipeline_lib.Pipeline(self.mesh, self.plan)
+
+  def shardings(self, tree):
+    return tree_shardings(self.mesh, tree, param_rules(self.stacked, self.plan is not None))
+
+  def to_stages(self, tree):
+    """Plain layer layout -> this layout (identity without a pipeline); jit-able."""
+    return tree if self.plan is None else pipeline_lib.map_stacked(self.plan.to_stages, tree, self.stacked)
+
+  def to_layers(self, tree):
+    """This layout -> the plain layer layout that checkpoints and exports use."""
+    return tree if self.plan is None else pipeline_lib.map_stacked(self.plan.to_layers, tree, self.stacked)
+
+  def create(self, fn, *args):
+    """fn(*args), a tree in the plain layer layout, computed by one jit straight into this
+    layout's shardings (no device holds more than its share)."""
+    staged = lambda *a: self.to_stages(fn(*a))
+    return jax.jit(staged, out_shardings=self.shardings(jax.eval_shape(staged, *args)))(*args)
+
+  def put(self, path, host_array):
+    """Places one converted weight (a loader's `put`): reordered into stages on the host, then
+    sent to each device's share only."""
+    name = pipeline_lib.is_stacked_path(path, self.stacked)
+    if self.plan is not None and name is not None:
+      host_array = self.plan.to_stages(name, host_array)
+    spec = P("stage") if self.plan is not None and name is not None else P()
+    return jax.device_put(host_array, NamedSharding(self.mesh, spec))
+
+
+def make_layout(mesh: Mesh, family, model_config, microbatches: int, **plan_options) -> Layout:
+  """The layout on `mesh`; with more than one stage, the pipeline plan for the family's block
+  stacks (`plan.describe()` prints it) and `microbatches` microbatches a step."""
+  plan = None
+  if mesh.shape["stage"] > 1:
+    plan = pipeline_lib.make_plan(family.stack_layouts(model_config), mesh.shape["stage"],
+                                  microbatches, **plan_options)
+  return Layout(mesh, tuple(family.STACKED), plan)
 
 
 def global_batch(mesh: Mesh, local_batch, batch_axis: int = 1):
