@@ -106,7 +106,7 @@ def main(argv):
     dataset = data.Batches(cached.pop("train"), global_batch, config.seed, family.position_ids)
     evals = {name: data.Batches(dirs, micro, config.seed, family.position_ids, name)
              for name, dirs in cached.items()}
-  except (ValueError, media.MediaError) as e:
+  except (ValueError, FileNotFoundError, media.MediaError) as e:
     sys.exit(f"error: {e}")
   if FLAGS.cache_only:
     print("cached; exiting (--cache_only)")

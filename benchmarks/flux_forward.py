@@ -111,10 +111,16 @@ def jax_stage(a):
   fwd_s = median_time(lambda: model(**inputs), jax.block_until_ready, reps=a.reps)
   ref = np.load(os.path.join(a.workdir, "torch_out.npy"))
   out = np.asarray(out.astype(jnp.float32))
+  rel = lambda x, y: float(np.linalg.norm(x - y) / np.linalg.norm(y))
+  # the same weights with float8 block kernels (per-channel scales): its error against bf16
+  fp8 = models.load("flux", a.workdir, dtype=jnp.bfloat16, transformer_dtype="float8", progress=False)
+  out_fp8 = np.asarray(fp8(**inputs).astype(jnp.float32))
+  fp8_s = median_time(lambda: fp8(**inputs), jax.block_until_ready, reps=a.reps)
   gib = 2.0 ** 30
   return dict(load_s=load_s, peak_rss_gib=mem.peak["VmRSS"] / gib,
               peak_anon_gib=mem.peak["RssAnon"] / gib, compile_s=compile_s, forward_s=fwd_s,
-              rel_err=float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
+              rel_err=rel(out, ref), fp8_forward_s=fp8_s, fp8_rel_err=rel(out_fp8, out),
+              fp8_rel_err_torch=rel(out_fp8, ref),
               jax=jax.__version__, device=str(jax.devices()[0].device_kind),
               params=sum(x.size for x in jax.tree.leaves(model.params)))
 
@@ -156,7 +162,10 @@ def main():
           ("  of which anonymous (GiB)", "", f"{j['peak_anon_gib']:.2f}"),
           ("forward compile (s)", "", f"{j['compile_s']:.1f}"),
           ("forward, median (ms)", f"{t['forward_s'] * 1e3:.1f}", f"{j['forward_s'] * 1e3:.1f}"),
-          ("rel. error vs diffusers bf16", "", f"{j['rel_err']:.2e}")]
+          ("rel. error vs diffusers bf16", "", f"{j['rel_err']:.2e}"),
+          ("forward, fp8 base, median (ms)", "", f"{j['fp8_forward_s'] * 1e3:.1f}"),
+          ("fp8 base: rel. err. vs ours bf16", "", f"{j['fp8_rel_err']:.2e}"),
+          ("fp8 base: rel. err. vs diffusers", "", f"{j['fp8_rel_err_torch']:.2e}")]
   for name, ref, ours in rows:
     print(f"| {name:34} | {ref:>18} | {ours:>14} |")
 

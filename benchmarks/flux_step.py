@@ -153,8 +153,8 @@ def main():
                  flop / r["step_s_median"] / 1e12, 0.0, float("nan")))
   for mode, impl, layout, step_s, rate, speedup, peak, resident, tflops, bubble, compile_s in sorted(
       rows, key=lambda r: (list(MODES).index(r[0]), r[2])):
-    print(f"| {mode} | {impl} | {layout} | {step_s:.3f} | {rate:.2f} | {speedup:.2f}x | {peak:.1f} | "
-          f"{resident:.1f} | {tflops:.0f} | {tflops / CEILING_TFLOPS:.0%} | {bubble:.1%} | {compile_s:.0f} |")
+    print(f"| {mode} | {impl} | {layout} | {step_s:.3f} | {rate:.2f} | {speedup:.2f}x | {peak:.2f} | "
+          f"{resident:.2f} | {tflops:.0f} | {tflops / CEILING_TFLOPS:.0%} | {bubble:.1%} | {compile_s:.0f} |")
 
 
 if __name__ == "__main__":

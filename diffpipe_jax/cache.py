@@ -60,58 +60,78 @@ def folder_digest(path):
 
 
 class Encoders:
-  """One model family's frozen encoders. Subclasses set `components` (diffusers subfolder ->
-  attribute) and implement `load`, `encode_media`, `encode_text` and `latent_grid`."""
+  """One model family's frozen encoders, loaded on first use: a cache that is already complete
+  never loads them. Subclasses set `components` (diffusers subfolder -> (attribute, class)) and
+  implement `load` (settings only), `load_models`, `encode_media`, `encode_text`, `latent_grid`."""
   components = {}
 
   def __init__(self, path, device, dtype, options):
     self.path, self.device, self.dtype, self.options = path, device, dtype, options
+
+  def __getattr__(self, name):  # only reached while a component is not loaded yet
+    if name in {attr for attr, _ in self.components.values()}:
+      print(f"loading the encoders from {self.path} ({self.device})")
+      self.load_models()
+      return self.__dict__[name]
+    raise AttributeError(name)
 
   def identity(self) -> str:
     """Class names and folder hashes of every component, plus dtype and options: part of every
     fingerprint, so swapping an encoder or a setting re-encodes the cache."""
     parts = [type(self).__name__, str(self.dtype).replace("torch.", ""),
              json.dumps(self.options, sort_keys=True)]
-    for sub, attr in self.components.items():
-      parts.append(f"{sub}={type(getattr(self, attr)).__name__}:"
-                   f"{folder_digest(os.path.join(self.path, sub))}")
+    for sub, (_, class_name) in self.components.items():
+      parts.append(f"{sub}={class_name}:{folder_digest(os.path.join(self.path, sub))}")
     return "|".join(parts)
+
+  def config(self, sub) -> dict:
+    """A component's config.json, read without loading the model."""
+    with open(os.path.join(self.path, sub, "config.json")) as f:
+      return json.load(f)
 
   def release(self):
     """Frees the models (and their GPU memory) before training starts."""
     import torch
-    for attr in self.components.values():
-      if hasattr(self, attr):
-        delattr(self, attr)
+    for attr, _ in self.components.values():
+      self.__dict__.pop(attr, None)
     if torch.cuda.is_available():
       torch.cuda.empty_cache()
 
 
 class FluxEncoders(Encoders):
   """FLUX.1: AutoencoderKL latents 2x2-packed; T5 last hidden state and CLIP pooled output."""
-  components = {"vae": "vae", "tokenizer": "clip_tokenizer", "text_encoder": "clip",
-                "tokenizer_2": "t5_tokenizer", "text_encoder_2": "t5"}
+  components = {"vae": ("vae", "AutoencoderKL"), "tokenizer": ("clip_tokenizer", "CLIPTokenizer"),
+                "text_encoder": ("clip", "CLIPTextModel"),
+                "tokenizer_2": ("t5_tokenizer", "T5TokenizerFast"),
+                "text_encoder_2": ("t5", "T5EncoderModel")}
 
   @classmethod
   def load(cls, path, device=None, dtype=None, max_sequence_length=512):
-    """Loads from a diffusers FLUX folder; float32 on CPU, bfloat16 on CUDA unless told."""
+    """The encoders of a diffusers FLUX folder (loaded when first needed); float32 on CPU,
+    bfloat16 on CUDA unless told."""
     import torch
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+    missing = [sub for sub in cls.components if not os.path.isdir(os.path.join(path, sub))]
+    if missing:
+      raise FileNotFoundError(f"{path} lacks the encoder folder(s) {missing}: model.diffusers_path "
+                              "must be a diffusers FLUX.1 pipeline folder (with vae/, text_encoder/, ...)")
     device = device or default_device()
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    self = cls(path, device, dtype, dict(max_sequence_length=max_sequence_length))
-    sub = lambda name: os.path.join(path, name)
-    self.vae = AutoencoderKL.from_pretrained(sub("vae"), torch_dtype=dtype).to(device).eval()
+    return cls(path, device, dtype, dict(max_sequence_length=max_sequence_length))
+
+  def load_models(self):
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+    sub = lambda name: os.path.join(self.path, name)
+    model = lambda cls, name: cls.from_pretrained(sub(name), dtype=self.dtype).to(self.device).eval()
+    self.vae = AutoencoderKL.from_pretrained(sub("vae"), torch_dtype=self.dtype).to(self.device).eval()
     self.clip_tokenizer = CLIPTokenizer.from_pretrained(sub("tokenizer"))
-    self.clip = CLIPTextModel.from_pretrained(sub("text_encoder"), dtype=dtype).to(device).eval()
+    self.clip = model(CLIPTextModel, "text_encoder")
     self.t5_tokenizer = T5TokenizerFast.from_pretrained(sub("tokenizer_2"))
-    self.t5 = T5EncoderModel.from_pretrained(sub("text_encoder_2"), dtype=dtype).to(device).eval()
-    return self
+    self.t5 = model(T5EncoderModel, "text_encoder_2")
 
   @property
   def spatial_factor(self):
-    return 2 ** (len(self.vae.config.block_out_channels) - 1)
+    return 2 ** (len(self.config("vae")["block_out_channels"]) - 1)
 
   @property
   def pixel_multiple(self):

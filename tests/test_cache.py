@@ -135,3 +135,18 @@ def test_identity_changes_with_settings(root, encoders):
   assert other.identity() != encoders.identity()
   assert other.encode_text(["x"])["text"].shape == (1, 64, 24)
   other.release()
+
+
+def test_a_complete_cache_never_loads_the_encoders(root, encoders, tmp_path):
+  items = make_items(3)
+  cache.build_cache(str(tmp_path), items, encoders, batch_size=2)
+  fresh = cache.ENCODERS["flux"].load(root, device="cpu")
+  assert fresh.identity() == encoders.identity() and fresh.pixel_multiple == encoders.pixel_multiple
+  c = cache.build_cache(str(tmp_path), items, fresh, batch_size=2)
+  assert len(c) == 3
+  assert not any(attr in vars(fresh) for attr, _ in fresh.components.values())  # nothing loaded
+
+
+def test_a_folder_without_encoders_is_a_clear_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match="lacks the encoder folder"):
+    cache.ENCODERS["flux"].load(str(tmp_path), device="cpu")
