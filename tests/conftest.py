@@ -4,8 +4,8 @@ import shutil
 import tempfile
 
 # One persistent compilation cache for the test session, inherited by the subprocesses: the
-# main.py runs and the multi-device checks compile the same programs again and again (~20% of
-# the suite's time). Set before anything imports jax.
+# main.py runs compile the same programs again and again (tests/test_train.py took 257 s with
+# it, 315 s without, on 2 cores). Set before anything imports jax.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="diffpipe_jax_cache_")
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
