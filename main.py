@@ -58,19 +58,31 @@ def prepare_paths(config):
   return path
 
 
-def cache_datasets(config, regenerate):
-  """Caches the training and eval datasets (PyTorch encoders, released afterwards)."""
+def cache_datasets(config, regenerate, build=True):
+  """Caches the training and eval datasets (PyTorch encoders, loaded when something needs
+  encoding and released afterwards); with build=False, opens the caches another process built."""
   if not config.model.diffusers_path:
     raise app.UsageError("caching needs model.diffusers_path for the VAE and text encoders")
-  encoders = cache.ENCODERS[config.model.type].load(config.model.diffusers_path)
   train_settings = data.dataset_settings(config.dataset)
-  eval_settings = {name: dataclasses.replace(train_settings, directories=(
-      media.DirectorySettings(path=e.path),)) for name, e in config.eval_datasets.items()}
+  settings = {"train": train_settings, **{name: dataclasses.replace(train_settings, directories=(
+      media.DirectorySettings(path=e.path),)) for name, e in config.eval_datasets.items()}}
+  if not build:
+    return {name: data.open_cached_dataset(s, config.model.type) for name, s in settings.items()}
+  encoders = cache.ENCODERS[config.model.type].load(config.model.diffusers_path)
   cached = {name: data.cache_dataset(s, config.model.type, encoders, encoders.pixel_multiple,
                                      config.caching_batch_size, regenerate)
-            for name, s in {"train": train_settings, **eval_settings}.items()}
+            for name, s in settings.items()}
   encoders.release()
   return cached
+
+
+def from_process_0(text: str) -> str:
+  """Process 0's string on every process (a multi-host run agrees on names this way)."""
+  if jax.process_count() == 1:
+    return text
+  buf = np.zeros(1024, np.uint8)
+  buf[:len(text.encode())] = np.frombuffer(text.encode(), np.uint8)
+  return bytes(multihost_utils.broadcast_one_to_all(buf)).rstrip(b"\0").decode()
 
 
 def peak_device_memory_gib():
@@ -99,11 +111,18 @@ def main(argv):
   # ---------------------------------------------------------------- data (cached once)
   family = models.family(config.model.type)
   try:
-    path = prepare_paths(config)
-    cached = cache_datasets(config, FLAGS.regenerate_cache)
+    # Process 0 writes the tiny default and the caches (a shared filesystem); the others wait
+    # for it, then read them.
+    path = prepare_paths(config) if is_main_process else None
+    cached = cache_datasets(config, FLAGS.regenerate_cache) if is_main_process else None
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("datasets cached")
+      path = path or prepare_paths(config)
+      cached = cached or cache_datasets(config, FLAGS.regenerate_cache, build=False)
     micro, accum = config.micro_batch_size_per_gpu * data_parallel, config.gradient_accumulation_steps
     global_batch = micro * accum
-    dataset = data.Batches(cached.pop("train"), global_batch, config.seed, family.position_ids)
+    dataset = data.Batches(cached.pop("train"), global_batch, config.seed, family.position_ids,
+                           micro_batches=accum)
     evals = {name: data.Batches(dirs, micro, config.seed, family.position_ids, name)
              for name, dirs in cached.items()}
   except (ValueError, FileNotFoundError, media.MediaError) as e:
@@ -118,10 +137,12 @@ def main(argv):
   # ---------------------------------------------------------------- run directory
   resume = FLAGS.resume_from_checkpoint
   try:
-    run_dir = (checkpoint.resolve_resume(config.output_dir, resume or "latest")
-               if resume is not None else checkpoint.new_run_dir(config.output_dir))
+    run_dir = "" if not is_main_process else (
+        checkpoint.resolve_resume(config.output_dir, resume or "latest")
+        if resume is not None else checkpoint.new_run_dir(config.output_dir))
   except (FileNotFoundError, ValueError) as e:
     sys.exit(f"error: {e}")
+  run_dir = from_process_0(run_dir)  # every process checkpoints into the same run
   if is_main_process:
     with open(os.path.join(run_dir, "config.json" if resume is None else "config_resumed.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))

@@ -66,6 +66,16 @@ def cache_dataset(settings: media.DatasetSettings, model_type: str, encoders, mu
   return out
 
 
+def open_cached_dataset(settings: media.DatasetSettings, model_type: str) -> List[CachedDirectory]:
+  """The caches `cache_dataset` built (by another process of a multi-host run), read only."""
+  try:
+    return [CachedDirectory(cache.Cache(os.path.join(d.path, "cache", model_type)), d.num_repeats)
+            for d in map(settings.resolve, settings.directories)]
+  except FileNotFoundError as e:
+    raise FileNotFoundError(f"no finished cache where process 0 should have written it ({e}): "
+                            "all hosts must see the dataset folders on a shared filesystem") from e
+
+
 Row = Tuple[int, int]  # (directory index, row in that directory's bucket)
 Batch = Tuple[tuple, List[Row]]  # (bucket, rows)
 
@@ -74,8 +84,9 @@ class Batches:
   """The bucketed, seeded batch schedule over cached directories, and the loading of a batch."""
 
   def __init__(self, directories: Sequence[CachedDirectory], global_batch: int, seed: int,
-               position_ids, name="dataset"):
+               position_ids, name="dataset", micro_batches=1):
     self.directories, self.global_batch, self.seed = directories, global_batch, seed
+    self.micro_batches = micro_batches  # a global batch is this many consecutive micro-batches
     self.position_ids = position_ids  # latent grid -> position ids (the model family's)
     groups = {}
     for d_idx, d in enumerate(directories):
@@ -106,10 +117,13 @@ class Batches:
     return [batches[i] for i in rng.permutation(len(batches))]
 
   def load(self, batch: Batch, process_index=0, process_count=1) -> dict:
-    """This process's share of a global batch, as numpy arrays with a leading batch axis."""
+    """This process's share of a global batch, as numpy arrays with a leading batch axis: its
+    slice of each micro-batch, as a [micro-batches, micro batch] array split over 'data' lays
+    them out, so that every process count sees the same samples in the same places."""
     bucket, rows = batch
-    per = len(rows) // process_count
-    rows = rows[process_index * per:(process_index + 1) * per]
+    per = len(rows) // self.micro_batches // process_count
+    rows = [row for m in range(self.micro_batches)
+            for row in rows[(m * process_count + process_index) * per:][:per]]
     items = [self.directories[d].cache.get(bucket, r) for d, r in rows]
     out = {k: np.stack([it[k] for it in items]) for k in ("latents", "text", "pooled")}
     ids = self.position_ids(self.directories[rows[0][0]].cache.grid(bucket))

@@ -3,6 +3,7 @@ import copy
 import glob
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -156,3 +157,28 @@ def test_float8_base_tracks_full_precision(flux_checkpoints):
   _, losses8 = trained_adapter(fp8, config, 15)
   np.testing.assert_allclose(losses8, losses, rtol=0.15)
   assert losses8[-1] < 0.6 * losses8[0]
+
+
+def test_two_processes_train_as_one_process_with_two_devices(tmp_path):
+  """A multi-host launch (2 processes, 1 CPU device each, gloo collectives) runs the same steps
+  as one process with 2 devices: process 0 caches and exports, both checkpoint into one run."""
+  args = ["--config.epochs=2", "--config.micro_batch_size_per_gpu=1", "--config.checkpoint_every_n_steps=4"]
+  reference = run_main(tmp_path, *args, output="one", devices=2)
+  assert reference.returncode == 0, reference.stdout
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+             JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+  procs = [subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, "main.py"), "--config", os.path.join(ROOT, "configs", "flux.py") + ":tiny",
+       f"--config.output_dir={tmp_path}/two", *args, f"--coordinator_address=localhost:{port}",
+       "--num_processes=2", f"--process_id={i}"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=600)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), outs
+  (run_one,) = glob.glob(str(tmp_path / "one" / "*"))
+  (run_two,) = glob.glob(str(tmp_path / "two" / "*"))  # one run directory for both processes
+  np.testing.assert_allclose([m["loss"] for m in read_metrics(run_two)],
+                             [m["loss"] for m in read_metrics(run_one)], rtol=1e-5)
+  assert os.path.isdir(os.path.join(run_two, "global_step4")) and os.path.isdir(os.path.join(run_two, "epoch2"))
