@@ -125,11 +125,10 @@ def save_flux_pipeline(root, seed=0):
   return root
 
 
-def write_image_dataset(folder, num_images=12, seed=0, sizes=((40, 40), (56, 32), (32, 56))):
+def write_image_dataset(folder, num_images=12, sizes=((40, 40), (56, 32), (32, 56))):
   """Captioned synthetic images (smooth colour fields of a few aspect ratios) with same-stem
   .txt captions: the embedded default's dataset. Returns folder."""
   from PIL import Image
-  rng = np.random.default_rng(seed)
   os.makedirs(folder, exist_ok=True)
   colours = ["red", "green", "blue", "yellow"]
   for i in range(num_images):

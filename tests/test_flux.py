@@ -1,7 +1,6 @@
 """The Flax Flux transformer against diffusers' FluxTransformer2DModel, from every on-disk layout."""
 import copy
 import json
-import os
 import shutil
 
 import numpy as np

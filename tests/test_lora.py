@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffpipe_jax import lora, models, tiny
+from diffpipe_jax import lora, models
 from diffpipe_jax.convert import CheckpointError
 from diffpipe_jax.models import flux
 
