@@ -104,6 +104,7 @@ def main(argv):
   is_main_process = jax.process_index() == 0  # the one that writes logs and exports
   try:
     mesh = sharding.make_mesh(config.pipeline_stages)
+    models.remat_policy(config.activation_checkpointing, config.scan_layers, mesh.shape["stage"] > 1)
   except ValueError as e:
     sys.exit(f"error: {e}")
   data_parallel = mesh.shape["data"]
@@ -156,7 +157,8 @@ def main(argv):
       print(layout.plan.describe())
     model = models.load(config.model.type, path, dtype=jnp.dtype(config.model.dtype),
                         transformer_dtype=config.model.transformer_dtype,
-                        remat=config.activation_checkpointing, put=layout.put)
+                        remat=config.activation_checkpointing, scan_layers=config.scan_layers,
+                        put=layout.put)
   except CheckpointError as e:
     sys.exit(f"error: {e}")
   params = model.params

@@ -25,9 +25,12 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = {"no remat": dict(remat="none", transformer_dtype=""),
+         "no remat (unrolled)": dict(remat="none", transformer_dtype="", scan_layers=False),
          "per-block remat (save dots)": dict(remat="block_save_dots", transformer_dtype=""),
          "per-block remat": dict(remat="block", transformer_dtype=""),
-         "fp8 base + per-block remat": dict(remat="block", transformer_dtype="float8")}
+         "per-block remat (offload)": dict(remat="block_offload", transformer_dtype=""),
+         "fp8 base + per-block remat": dict(remat="block", transformer_dtype="float8"),
+         "fp8 base + per-block remat (offload)": dict(remat="block_offload", transformer_dtype="float8")}
 CEILING_TFLOPS = 810.0  # measured bf16 matmul rate of the H200 (REFERENCE.md section 5)
 
 
@@ -86,6 +89,12 @@ def run_mode(a, mode, layout_name):
     jax.block_until_ready(m)
     times.append(time.perf_counter() - t0)
   step_s = float(np.median(times[2:]))
+  if a.profile:  # two more steps under the profiler, summarised by benchmarks/trace_summary.py
+    jax.profiler.start_trace(os.path.join(a.profile, f"{mode}@{layout_name}".replace(" ", "_")))
+    for i in range(2):
+      state, m = step(state, model.params, batches, jax.random.key(100 + i))
+    jax.block_until_ready(m)
+    jax.profiler.stop_trace()
   return dict(step_s=step_s, samples_per_s=samples / step_s, compile_s=compile_s,
               peak_gib=memory("peak_bytes_in_use"), resident_gib=resident, loss=float(m["loss"]),
               bubble=layout.plan.bubble() if layout.plan else 0.0,
@@ -104,11 +113,12 @@ def main():
   p.add_argument("--rank", type=int, default=32)
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--peer", default="", help="path of peer_torch_flux.py: run it too, --ckpt 0 and 1")
-  p.add_argument("--modes", default=",".join(m for m in MODES if "save dots" not in m))
+  p.add_argument("--modes", default=",".join(m for m in MODES if "(" not in m))
   p.add_argument("--layouts", default="1x1", help="(data)x(stage) meshes, comma-separated: 1x1,2x1,1x2")
   p.add_argument("--microbatches", type=int, default=1,
                  help="micro-batches a step (gradient accumulation; the pipeline's microbatches)")
   p.add_argument("--tick_overhead", type=float, help="the pipeline plan's per-tick cost (layers)")
+  p.add_argument("--profile", default="", help="a folder: also trace two steps of each run there")
   p.add_argument("--run", help=argparse.SUPPRESS)  # mode@layout, in a subprocess of its own
   p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: tests the script")
   a = p.parse_args()
@@ -122,6 +132,7 @@ def main():
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
   common = [sys.executable, os.path.abspath(__file__), "--res", str(a.res), "--txt", str(a.txt),
             "--rank", str(a.rank), "--steps", str(a.steps), "--microbatches", str(a.microbatches)]
+  common += ["--profile", os.path.abspath(a.profile)] if a.profile else []
   common += ["--tick_overhead", str(a.tick_overhead)] if a.tick_overhead else []
   common += ["--smoke"] if a.smoke else []
   layouts = a.layouts.split(",")

@@ -30,7 +30,12 @@ def get_config(arg=""):
   c.checkpoint_every_n_minutes = 120  # resumable training state to global_stepN/
   c.checkpoint_every_n_steps = 0
   c.checkpoints_to_keep = 3
-  c.activation_checkpointing = "block"  # "none": fastest, most memory; "block": remat each block
+  # "none": fastest, most memory; "block": remat each block; "block_offload": "block" with each
+  # block's input kept in host memory until the backward pass (less memory, slower)
+  c.activation_checkpointing = "block"
+  # False: blocks unrolled, for activation_checkpointing="none" on one stage: 15% faster steps,
+  # compile 7x longer
+  c.scan_layers = True
 
   c.model = ml_collections.ConfigDict()
   c.model.type = "flux"

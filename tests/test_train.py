@@ -1,5 +1,6 @@
 """LoRA training end to end: the step learns, exports load in diffusers, runs resume exactly."""
 import copy
+import dataclasses
 import glob
 import json
 import os
@@ -136,6 +137,10 @@ def test_resume_gives_the_same_run(tmp_path):
 def test_config_typo_is_a_clear_error(tmp_path):
   out = run_main(tmp_path, "--config.optimizer.lrr=1e-3")
   assert out.returncode != 0 and 'Did you mean "lr"' in out.stdout, out.stdout
+  out = run_main(tmp_path, "--config.pipeline_stages=2", "--config.scan_layers=False", devices=2)
+  assert out.returncode != 0 and "set scan_layers=True" in out.stdout, out.stdout
+  out = run_main(tmp_path, "--config.activation_checkpointing=blok")
+  assert out.returncode != 0 and "activation_checkpointing='blok'; use one of" in out.stdout, out.stdout
 
 
 def test_non_finite_loss_stops_with_a_message(tmp_path):
@@ -156,6 +161,47 @@ def test_float8_base_tracks_full_precision(flux_checkpoints):
   _, losses8 = trained_adapter(fp8, config, 15)
   np.testing.assert_allclose(losses8, losses, rtol=0.15)
   assert losses8[-1] < 0.6 * losses8[0]
+
+
+def host_copies(jaxpr):
+  """The values a jaxpr (and every jaxpr inside it) moves to host memory."""
+  subs = [sub for eqn in jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
+  return [v.aval for eqn in jaxpr.eqns if eqn.primitive.name == "device_put" for v in eqn.outvars
+          if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host] + [
+              aval for sub in subs for aval in host_copies(sub)]
+
+
+def test_remat_policies_and_unrolled_layers_give_the_same_gradients(flux_checkpoints):
+  """Each activation_checkpointing value in a scan, and no remat unrolled, against no remat in a
+  scan: same loss and gradients. Remat must shrink the temporaries, and "block_offload" must send
+  each block's input [B, T + L, D] to host memory."""
+  model = models.load("flux", flux_checkpoints["dev"]["diffusers"], progress=False)
+  inputs = flux.random_inputs(model.config, 2, 4, 4, 6)
+  batch = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
+               pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * 2))
+  adapter = lora.init(model.params, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
+  adapter = jax.tree.map(lambda a: a + 0.01, adapter)  # B != 0: every gradient is nonzero
+  args = (adapter, model.params, jax.tree.map(lambda x: x[None], batch),
+          jax.random.split(jax.random.key(1), 1))
+  results, temp_bytes = {}, {}
+  for remat, scan_layers in [(r, True) for r in models.REMAT_POLICIES] + [("none", False)]:
+    module = model.module.clone(remat=models.REMAT_POLICIES[remat], scan_layers=scan_layers)
+    grads = train.grad_fn(dataclasses.replace(model, module=module), tiny_config())
+    compiled = jax.jit(grads).lower(*args).compile()
+    results[remat, scan_layers] = compiled(*args)
+    temp_bytes[remat, scan_layers] = compiled.memory_analysis().temp_size_in_bytes
+    offloaded = host_copies(jax.make_jaxpr(grads)(*args).jaxpr)
+    assert (remat == "block_offload") == bool(offloaded), remat
+    assert all(a.shape == (2, 6 + 16, model.config.inner_dim) for a in offloaded)
+  assert temp_bytes["block", True] < temp_bytes["none", True] / 2, temp_bytes
+  loss, want = results["none", True]
+  for key, (value, got) in results.items():
+    np.testing.assert_allclose(value, loss, rtol=1e-5, err_msg=str(key))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max()), key
+  with pytest.raises(ValueError, match="scan_layers=False"):
+    models.load("flux", flux_checkpoints["dev"]["diffusers"], remat="block", scan_layers=False,
+                progress=False)
 
 
 def test_two_processes_train_as_one_process_with_two_devices(tmp_path):

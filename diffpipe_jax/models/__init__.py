@@ -47,9 +47,14 @@ def abstract_params(fam, module, config):
   return jax.eval_shape(lambda: module.init(jax.random.key(0), **dummy))["params"]
 
 
-REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
-                  # keep the matmul outputs, recompute the cheap elementwise work between them
-                  "block_save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+REMAT_POLICIES = {
+    "none": None, "block": jax.checkpoint_policies.nothing_saveable,
+    # keep the matmul outputs, recompute the cheap elementwise work between them
+    "block_save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # as "block", but each block's input waits for the backward pass in host memory
+    "block_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=(layers.BLOCK_INPUT,),
+        offload_src="device", offload_dst="pinned_host")}
 
 
 def storage_finalizer(fam, transformer_dtype: Optional[str]):
@@ -69,13 +74,24 @@ def storage_finalizer(fam, transformer_dtype: Optional[str]):
   return finalize
 
 
-def _module(fam, config, dtype, param_dtype, attention_impl, remat):
-  if attention_impl == "auto":
-    attention_impl = layers.default_attention_implementation(dtype)
+def remat_policy(remat: str, scan_layers: bool = True, pipelined: bool = False):
+  """The jax.checkpoint policy of `activation_checkpointing=remat`, checked against the other
+  settings that decide how the blocks run."""
   if remat not in REMAT_POLICIES:
     raise ValueError(f"activation_checkpointing={remat!r}; use one of {sorted(REMAT_POLICIES)}")
+  if not scan_layers and (remat != "none" or pipelined):
+    raise ValueError(f"scan_layers=False unrolls the blocks of one-stage runs without remat only "
+                     f"(activation_checkpointing={remat!r}, pipelined: {pipelined}); set "
+                     f"scan_layers=True")
+  return REMAT_POLICIES[remat]
+
+
+def _module(fam, config, dtype, param_dtype, attention_impl, remat, scan_layers):
+  if attention_impl == "auto":
+    attention_impl = layers.default_attention_implementation(dtype)
   return fam.make_module(config, dtype=dtype, param_dtype=param_dtype or dtype,
-                         attention_impl=attention_impl, remat=REMAT_POLICIES[remat])
+                         attention_impl=attention_impl, remat=remat_policy(remat, scan_layers),
+                         scan_layers=scan_layers)
 
 
 def checkpoint_config(name: str, path: str, axes_dims_rope=None):
@@ -84,21 +100,22 @@ def checkpoint_config(name: str, path: str, axes_dims_rope=None):
 
 
 def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
-         attention_impl: Optional[str] = "auto", remat="none", axes_dims_rope=None,
+         attention_impl: Optional[str] = "auto", remat="none", scan_layers=True, axes_dims_rope=None,
          put=lambda path, x: jax.device_put(x), progress=True) -> Model:
   """Loads model `name` ("flux") from a diffusers folder or an original single file.
 
   dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype);
   transformer_dtype: "float8" stores the blocks' frozen Linear kernels in float8.
   attention_impl: "auto" (cuDNN on GPU for 16-bit, else XLA), "cudnn", "xla" or None (XLA).
-  remat: "none" or "block" (rematerialise each block in the backward pass).
+  remat: a `REMAT_POLICIES` key: "none", or "block" (rematerialise each block in the backward
+  pass) and its variants. scan_layers=False unrolls the blocks (faster step, longer compile).
   axes_dims_rope: only for single files of non-standard head sizes, where it cannot be derived.
   put(path, host array): places each converted leaf (e.g. on a mesh, see sharding.Layout),
   one at a time.
   """
   fam = family(name)
   config, files, rows = convert.open_checkpoint(fam, path, axes_dims_rope)
-  module = _module(fam, config, dtype, param_dtype, attention_impl, remat)
+  module = _module(fam, config, dtype, param_dtype, attention_impl, remat, scan_layers)
   params = convert.load_params(abstract_params(fam, module, config), fam, files, rows,
                                param_dtype or dtype, put=put,
                                finalize=storage_finalizer(fam, transformer_dtype), progress=progress)
@@ -106,11 +123,12 @@ def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_
 
 
 def init_random(name: str, config, key, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
-                attention_impl: Optional[str] = "auto", remat="none", layout=None) -> Model:
+                attention_impl: Optional[str] = "auto", remat="none", scan_layers=True,
+                layout=None) -> Model:
   """A randomly initialised model of the given family config (benchmarks, full-size shapes),
   created directly in `layout` (a sharding.Layout) when one is given."""
   fam = family(name)
-  module = _module(fam, config, dtype, param_dtype, attention_impl, remat)
+  module = _module(fam, config, dtype, param_dtype, attention_impl, remat, scan_layers)
   finalize = storage_finalizer(fam, transformer_dtype) or (lambda path, value: {path: value})
 
   def init(key):  # storage conversion inside the jit: no full high-precision copy outlives it

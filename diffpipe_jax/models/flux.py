@@ -191,6 +191,7 @@ class Flux(layers.Module):
   cfg: FluxConfig
   attention_impl: Optional[str] = None
   remat: Optional[Callable] = None  # a jax.checkpoint policy for each block, None: no remat
+  scan_layers: bool = True  # False: the blocks unrolled (see layers.run_layers)
 
   @nn.compact
   def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
@@ -224,7 +225,8 @@ class Flux(layers.Module):
           name, block, length, layers.stacked_params(self, name, block, length, x, temb, rope),
           self.get_variable("lora", name) if self.has_variable("lora", name) else None))
     key = self.make_rng("dropout") if self.lora_dropout > 0 else None
-    img = run_stacks(stacks, x, (temb,), (rope,), remat=self.remat, key=key)[:, txt.shape[1]:]
+    img = run_stacks(stacks, x, (temb,), (rope,), remat=self.remat, key=key,
+                     scan=self.scan_layers)[:, txt.shape[1]:]
 
     scale, shift = layers.AdaLNModulation(c.inner_dim, 2, name="norm_out", **kw)(temb)
     out_dim = c.patch_size ** 2 * c.out_channels

@@ -225,14 +225,18 @@ class Stack:
 
 
 LAYER_WEIGHTS = "layer_weights"  # the checkpoint name of one layer's slice of the stacked weights
+BLOCK_INPUT = "block_input"  # the checkpoint name of each block's input (what per-block remat keeps)
 
 
 def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=None, start=None,
-               count=None, valid=None):
+               count=None, valid=None, scan=True):
   """x through the layers of `stack` by lax.scan, each rematerialised under the jax.checkpoint
   policy `remat` (None: no rematerialisation).
 
   The whole stack: the stacked weights are the scan's xs, which the backward pass reads in place.
+  With `scan=False` (no remat only) a Python loop instead: one program per layer, so compiling
+  takes far longer, but each layer's residuals are buffers of their own rather than slices of
+  stacked ones that the scan fills and copies back out (at full Flux size, 15% of the step).
   A chunk (`count` layers from layer `start`, the pipeline's): each layer slices its weights
   inside a checkpoint that never saves the slice, so the backward pass slices again instead of
   keeping a stacked copy; where `valid[i]` is False, layer i passes x on unchanged (padding of
@@ -240,8 +244,16 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
   """
   def apply(x, variables, i):
     rngs = None if key is None else {"dropout": jax.random.fold_in(key, i)}
-    return stack.block.apply(variables, x, *args, rngs=rngs)
+    return stack.block.apply(variables, checkpoint_name(x, BLOCK_INPUT), *args, rngs=rngs)
 
+  if count is None and not scan:
+    # Unrolled, XLA is free to schedule a remat's recomputation early, saving nothing.
+    assert remat is None, "unrolled layers are not rematerialised"
+    for i in range(stack.length):
+      take = lambda tree: jax.tree.map(lambda a: a[i], tree)
+      x = apply(x, {"params": take(stack.params),
+                    **({"lora": take(stack.lora)} if stack.lora is not None else {})}, i)
+    return x
   if count is None:
     apply = apply if remat is None else jax.checkpoint(apply, policy=remat, prevent_cse=False)
     def layer(x, xs):
@@ -265,10 +277,10 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
   return jax.lax.scan(layer, x, jnp.arange(count))[0]
 
 
-def run_stacks(stacks: Sequence[Stack], x, per_sample, shared, *, remat=None, key=None):
+def run_stacks(stacks: Sequence[Stack], x, per_sample, shared, *, remat=None, key=None, scan=True):
   """The stacks one after the other on one device (the pipeline's counterpart is in sharding)."""
   for n, stack in enumerate(stacks):
-    x = run_layers(stack, x, (*per_sample, *shared), remat=remat,
+    x = run_layers(stack, x, (*per_sample, *shared), remat=remat, scan=scan,
                    key=None if key is None else jax.random.fold_in(key, n))
   return x
 

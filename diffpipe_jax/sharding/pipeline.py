@@ -152,7 +152,9 @@ class Pipeline:
   mesh: Mesh
   plan: Plan
 
-  def run(self, stacks: Sequence[layers.Stack], x, per_sample, shared, *, remat=None, key=None):
+  def run(self, stacks: Sequence[layers.Stack], x, per_sample, shared, *, remat=None, key=None,
+          scan=True):
+    assert scan, "a pipeline's chunks are scanned (models.remat_policy rejects scan_layers=False)"
     plan, M = self.plan, self.plan.microbatches
     if x.shape[0] % M:
       raise ValueError(f"a batch of {x.shape[0]} does not split into {M} microbatches")
