@@ -104,7 +104,8 @@ def main(argv):
   is_main_process = jax.process_index() == 0  # the one that writes logs and exports
   try:
     mesh = sharding.make_mesh(config.pipeline_stages)
-    models.remat_policy(config.activation_checkpointing, config.scan_layers, mesh.shape["stage"] > 1)
+    models.remat_policy(config.activation_checkpointing, config.scan_layers,
+                        pipelined=mesh.shape["stage"] > 1, swapped=config.blocks_to_swap > 0)
   except ValueError as e:
     sys.exit(f"error: {e}")
   data_parallel = mesh.shape["data"]
@@ -152,14 +153,18 @@ def main(argv):
 
   # ---------------------------------------------------------------- model (frozen), on the mesh
   try:
-    layout = sharding.make_layout(mesh, family, models.checkpoint_config(config.model.type, path), accum)
+    layout = sharding.make_layout(mesh, family, models.checkpoint_config(config.model.type, path),
+                                  accum, config.blocks_to_swap)
     if layout.plan is not None:
       print(layout.plan.describe())
+    if layout.swap:
+      print("frozen weights in pinned host memory: " + ", ".join(
+          f"the last {n} of {name}" for name, n in layout.swap))
     model = models.load(config.model.type, path, dtype=jnp.dtype(config.model.dtype),
                         transformer_dtype=config.model.transformer_dtype,
                         remat=config.activation_checkpointing, scan_layers=config.scan_layers,
-                        put=layout.put)
-  except CheckpointError as e:
+                        layout=layout)
+  except (CheckpointError, ValueError) as e:
     sys.exit(f"error: {e}")
   params = model.params
 

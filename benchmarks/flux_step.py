@@ -57,6 +57,7 @@ def run_mode(a, mode, layout_name):
   if len(devices) < data * stages:
     raise SystemExit(f"layout {layout_name} needs {data * stages} devices, {len(devices)} visible")
   layout = sharding.make_layout(sharding.make_mesh(stages, devices), flux, cfg, a.microbatches,
+                                a.blocks_to_swap,
                                 **({"tick_overhead": a.tick_overhead} if a.tick_overhead else {}))
   if layout.plan:
     print(layout.plan.describe(), file=sys.stderr)
@@ -119,6 +120,8 @@ def main():
                  help="micro-batches a step (gradient accumulation; the pipeline's microbatches)")
   p.add_argument("--tick_overhead", type=float, help="the pipeline plan's per-tick cost (layers)")
   p.add_argument("--profile", default="", help="a folder: also trace two steps of each run there")
+  p.add_argument("--blocks_to_swap", type=int, default=0,
+                 help="the last N blocks' frozen weights in pinned host memory (one stage only)")
   p.add_argument("--run", help=argparse.SUPPRESS)  # mode@layout, in a subprocess of its own
   p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: tests the script")
   a = p.parse_args()
@@ -133,6 +136,7 @@ def main():
   common = [sys.executable, os.path.abspath(__file__), "--res", str(a.res), "--txt", str(a.txt),
             "--rank", str(a.rank), "--steps", str(a.steps), "--microbatches", str(a.microbatches)]
   common += ["--profile", os.path.abspath(a.profile)] if a.profile else []
+  common += ["--blocks_to_swap", str(a.blocks_to_swap)]
   common += ["--tick_overhead", str(a.tick_overhead)] if a.tick_overhead else []
   common += ["--smoke"] if a.smoke else []
   layouts = a.layouts.split(",")
@@ -145,7 +149,8 @@ def main():
   flop = useful_flop(57, 3072, tokens) if not a.smoke else float("nan")
   first = next(iter(ours.values()))
   print(f"Flux LoRA r{a.rank} step, {'smoke' if a.smoke else 'FLUX.1-dev shape'}, {a.res}^2 "
-        f"({tokens} tokens), bf16, AdamW, {a.microbatches} micro-batch(es) of 1 per data replica; "
+        f"({tokens} tokens), bf16, AdamW, {a.microbatches} micro-batch(es) of 1 per data replica, "
+        f"{a.blocks_to_swap} blocks swapped to host memory; "
         f"{first['device']}, jax {first['jax']}; useful {flop / 1e12:.1f} TFLOP/sample")
   print("| mode | implementation | data x stage | step (s, median) | samples/s | vs 1 GPU | "
         "peak memory / GPU (GiB) | weights + state / GPU (GiB) | TFLOP/s / GPU | of 810 | "

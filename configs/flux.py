@@ -36,6 +36,9 @@ def get_config(arg=""):
   # False: blocks unrolled, for activation_checkpointing="none" on one stage: 15% faster steps,
   # compile 7x longer
   c.scan_layers = True
+  # The last N blocks' frozen weights stay in pinned host memory and are copied to the GPU as
+  # each block runs (forward, and again in the backward pass): less memory, slower (one stage).
+  c.blocks_to_swap = 0
 
   c.model = ml_collections.ConfigDict()
   c.model.type = "flux"

@@ -33,7 +33,7 @@ def run(path, config, data, stages, steps=3, accum=4):
   """(step-0 loss, step-0 LoRA gradients, losses of `steps` updates, final LoRA), plain layout."""
   mesh = sharding.make_mesh(stages, jax.devices()[:data * stages])
   layout = sharding.make_layout(mesh, flux, models.checkpoint_config("flux", path), accum)
-  model = models.load("flux", path, put=layout.put, progress=False)
+  model = models.load("flux", path, layout=layout, progress=False)
   tx, _ = optim.make(config, steps)
   layer_params = models.abstract_params(flux, model.module, model.config)
   adapter = lora.init(layer_params, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))

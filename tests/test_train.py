@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from diffpipe_jax import lora, models, optim, train
+from diffpipe_jax import lora, models, optim, sharding, train
 from diffpipe_jax.models import flux
+from diffpipe_jax.models.layers import Swapped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -109,9 +110,13 @@ def test_resume_gives_the_same_run(tmp_path):
   assert full.returncode == 0, full.stdout
   half = run_main(tmp_path, "--config.max_steps=5", *args, output="b")  # stops mid-epoch
   assert half.returncode == 0, half.stdout
-  resumed = run_main(tmp_path, "--resume_from_checkpoint", *args, output="b")
+  # resumed with 4 of the 5 blocks' weights in host memory (all 3 single blocks and 1 double)
+  resumed = run_main(tmp_path, "--resume_from_checkpoint", "--config.blocks_to_swap=4", *args,
+                     output="b")
   assert resumed.returncode == 0, resumed.stdout
   assert "resumed" in resumed.stdout
+  assert ("pinned host memory: the last 3 of single_transformer_blocks, the last 1 of "
+          "transformer_blocks") in resumed.stdout, resumed.stdout
   (run_a,) = glob.glob(str(tmp_path / "a" / "*"))
   (run_b,) = glob.glob(str(tmp_path / "b" / "*"))
   losses_a = [m["loss"] for m in read_metrics(run_a)]
@@ -202,6 +207,62 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(flux_checkpo
   with pytest.raises(ValueError, match="scan_layers=False"):
     models.load("flux", flux_checkpoints["dev"]["diffusers"], remat="block", scan_layers=False,
                 progress=False)
+
+
+def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(flux_checkpoints):
+  """blocks_to_swap: the swapped layers' weights live in pinned host memory, are never kept as
+  residuals for the backward pass (they are copied to the device again), and change nothing."""
+  path = flux_checkpoints["dev"]["diffusers"]
+  mesh = sharding.make_mesh(1)
+  config = tiny_config()
+  results = {}
+  # none; the 3 single blocks; every block (2 double too)
+  for remat, swap in (("none", 0), ("none", 3), ("block", 5)):
+    layout = sharding.make_layout(mesh, flux, models.checkpoint_config("flux", path), 1, swap)
+    model = models.load("flux", path, remat=remat, layout=layout, progress=False)
+    swapped = [leaf for leaf in jax.tree.leaves(model.params, is_leaf=lambda l: isinstance(l, Swapped))
+               if isinstance(leaf, Swapped)]
+    abstract = models.abstract_params(flux, model.module, model.config)
+    assert len(swapped) == sum(len(jax.tree.leaves(abstract[name])) for name, _ in layout.swap)
+    assert len(layout.swap) == {0: 0, 3: 1, 5: 2}[swap]
+    assert all(s.pinned_host.sharding.memory_kind == "pinned_host" for s in swapped)
+    assert all(s.device.sharding.memory_kind == "device" for s in swapped)
+    if not results:
+      inputs = flux.random_inputs(model.config, 2, 4, 4, 6)
+      batch = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
+                   pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * 2))
+      adapter = lora.init(abstract, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
+      adapter = jax.tree.map(lambda a: a + 0.01, adapter)
+    args = (adapter, model.params, jax.tree.map(lambda x: x[None], batch),
+            jax.random.split(jax.random.key(1), 1))
+    grads = train.grad_fn(model, config)
+    results[remat, swap] = jax.jit(grads)(*args)
+    weight_shapes = {s.pinned_host.shape for s in swapped if s.pinned_host.ndim > 2}
+    assert not weight_shapes & set(scan_output_shapes(jax.make_jaxpr(grads)(*args).jaxpr))
+  loss, want = results["none", 0]
+  for key, (value, got) in results.items():
+    np.testing.assert_allclose(value, loss, rtol=1e-5, err_msg=str(key))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max()), key
+  # created in place (random init): the same weights, split the same way
+  cfg = models.checkpoint_config("flux", path)
+  plain, split = (models.init_random("flux", cfg, jax.random.key(3), layout=sharding.make_layout(
+      mesh, flux, cfg, 1, swap)) for swap in (0, 4))
+  assert split.params["transformer_blocks"]["norm1"]["linear"]["kernel"].pinned_host.shape[0] == 1
+  inputs = flux.random_inputs(cfg, 1, 4, 4, 6)
+  np.testing.assert_allclose(split(**inputs), plain(**inputs), rtol=1e-6)
+  with pytest.raises(ValueError, match="the model has 5 blocks"):
+    sharding.make_layout(mesh, flux, cfg, 1, 6)
+  with pytest.raises(ValueError, match="blocks_to_swap needs pipeline_stages=1"):
+    models.remat_policy("block", pipelined=True, swapped=True)
+
+
+def scan_output_shapes(jaxpr):
+  """The shapes of every scan's outputs in a jaxpr and the jaxprs inside it (the forward
+  scans' outputs hold the residuals kept for the backward pass)."""
+  subs = [sub for eqn in jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
+  return [tuple(v.aval.shape) for eqn in jaxpr.eqns if eqn.primitive.name == "scan"
+          for v in eqn.outvars] + [shape for sub in subs for shape in scan_output_shapes(sub)]
 
 
 def test_two_processes_train_as_one_process_with_two_devices(tmp_path):

@@ -74,15 +74,17 @@ def storage_finalizer(fam, transformer_dtype: Optional[str]):
   return finalize
 
 
-def remat_policy(remat: str, scan_layers: bool = True, pipelined: bool = False):
+def remat_policy(remat: str, scan_layers: bool = True, pipelined: bool = False, swapped: bool = False):
   """The jax.checkpoint policy of `activation_checkpointing=remat`, checked against the other
   settings that decide how the blocks run."""
   if remat not in REMAT_POLICIES:
     raise ValueError(f"activation_checkpointing={remat!r}; use one of {sorted(REMAT_POLICIES)}")
-  if not scan_layers and (remat != "none" or pipelined):
-    raise ValueError(f"scan_layers=False unrolls the blocks of one-stage runs without remat only "
-                     f"(activation_checkpointing={remat!r}, pipelined: {pipelined}); set "
-                     f"scan_layers=True")
+  if not scan_layers and (remat != "none" or pipelined or swapped):
+    raise ValueError(f"scan_layers=False unrolls the blocks of one-stage runs without remat or "
+                     f"blocks_to_swap only (activation_checkpointing={remat!r}, pipelined: "
+                     f"{pipelined}, swapped: {swapped}); set scan_layers=True")
+  if pipelined and swapped:
+    raise ValueError("blocks_to_swap needs pipeline_stages=1 (a pipeline already divides the weights)")
   return REMAT_POLICIES[remat]
 
 
@@ -101,7 +103,7 @@ def checkpoint_config(name: str, path: str, axes_dims_rope=None):
 
 def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
          attention_impl: Optional[str] = "auto", remat="none", scan_layers=True, axes_dims_rope=None,
-         put=lambda path, x: jax.device_put(x), progress=True) -> Model:
+         layout=None, progress=True) -> Model:
   """Loads model `name` ("flux") from a diffusers folder or an original single file.
 
   dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype);
@@ -110,15 +112,19 @@ def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_
   remat: a `REMAT_POLICIES` key: "none", or "block" (rematerialise each block in the backward
   pass) and its variants. scan_layers=False unrolls the blocks (faster step, longer compile).
   axes_dims_rope: only for single files of non-standard head sizes, where it cannot be derived.
-  put(path, host array): places each converted leaf (e.g. on a mesh, see sharding.Layout),
-  one at a time.
+  layout: a sharding.Layout that places each converted leaf, one at a time (stage shares,
+  swapped blocks in host memory); default: the default device.
   """
   fam = family(name)
   config, files, rows = convert.open_checkpoint(fam, path, axes_dims_rope)
   module = _module(fam, config, dtype, param_dtype, attention_impl, remat, scan_layers)
+  finalize = storage_finalizer(fam, transformer_dtype) or (lambda path, value: {path: value})
+  if layout is not None:
+    finalize = lambda path, value, storage=finalize: {
+        p: layout.settle(p, v) for p, v in storage(path, value).items()}
   params = convert.load_params(abstract_params(fam, module, config), fam, files, rows,
-                               param_dtype or dtype, put=put,
-                               finalize=storage_finalizer(fam, transformer_dtype), progress=progress)
+                               param_dtype or dtype, put=layout.put if layout else
+                               lambda path, x: jax.device_put(x), finalize=finalize, progress=progress)
   return Model(fam, config, module, params)
 
 
@@ -136,5 +142,5 @@ def init_random(name: str, config, key, dtype=jnp.float32, param_dtype=None, tra
     for path, value in table.flatten(module.init(key, **fam.random_inputs(config))["params"]).items():
       flat.update(finalize(path, value))
     return table.unflatten(flat)
-  params = jax.jit(init)(key) if layout is None else layout.create(init, key)
+  params = jax.jit(init)(key) if layout is None else layout.create(init, key, weights=True)
   return Model(fam, config, module, params)

@@ -224,7 +224,37 @@ class Stack:
   lora: Any = None
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Swapped:
+  """A stacked weight split on its layer axis: the first layers in device memory, the last ones
+  (`blocks_to_swap`) in pinned host memory, each brought to the device when its layer runs."""
+  device: Any
+  pinned_host: Any
+
+
+def swap_segments(stack: Stack):
+  """[(params, lora, first layer, on host)] of the stack's layers: all of them, or the
+  device-resident ones then the swapped ones when its weights are `Swapped`."""
+  swapped = lambda leaf: isinstance(leaf, Swapped)
+  leaves = jax.tree.leaves(stack.params, is_leaf=swapped)
+  if not any(map(swapped, leaves)):
+    return [(stack.params, stack.lora, 0, False)]
+  n = next(leaf.device.shape[0] for leaf in leaves if swapped(leaf))
+  part = lambda field: jax.tree.map(lambda leaf: getattr(leaf, field), stack.params, is_leaf=swapped)
+  lora = lambda layers: None if stack.lora is None else jax.tree.map(lambda a: a[layers], stack.lora)
+  segments = [(part("device"), lora(slice(0, n)), 0, False),
+              (part("pinned_host"), lora(slice(n, None)), n, True)]
+  return [s for s in segments if jax.tree.leaves(s[0])[0].shape[0]]  # all layers may be swapped
+
+
 LAYER_WEIGHTS = "layer_weights"  # the checkpoint name of one layer's slice of the stacked weights
+
+
+def save_all_but_device_copies(primitive, *_, **__):
+  """A jax.checkpoint policy: no remat, except that a copy to the device (a swapped layer's
+  weights) is made again in the backward pass rather than kept."""
+  return primitive.name != "device_put"
 BLOCK_INPUT = "block_input"  # the checkpoint name of each block's input (what per-block remat keeps)
 
 
@@ -234,6 +264,8 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
   policy `remat` (None: no rematerialisation).
 
   The whole stack: the stacked weights are the scan's xs, which the backward pass reads in place.
+  Layers whose weights are in host memory (`Swapped`) copy them to the device inside the
+  checkpoint, which never saves the copy: the backward pass fetches them again.
   With `scan=False` (no remat only) a Python loop instead: one program per layer, so compiling
   takes far longer, but each layer's residuals are buffers of their own rather than slices of
   stacked ones that the scan fills and copies back out (at full Flux size, 15% of the step).
@@ -248,18 +280,27 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
 
   if count is None and not scan:
     # Unrolled, XLA is free to schedule a remat's recomputation early, saving nothing.
-    assert remat is None, "unrolled layers are not rematerialised"
+    assert remat is None and len(swap_segments(stack)) == 1, "unrolled layers: no remat, no swap"
     for i in range(stack.length):
       take = lambda tree: jax.tree.map(lambda a: a[i], tree)
       x = apply(x, {"params": take(stack.params),
                     **({"lora": take(stack.lora)} if stack.lora is not None else {})}, i)
     return x
+  def fetch_and_apply(x, variables, i):
+    to_device = lambda a: jax.device_put(a, jax.memory.Space.Device)
+    return apply(x, dict(variables, params=jax.tree.map(to_device, variables["params"])), i)
+
   if count is None:
-    apply = apply if remat is None else jax.checkpoint(apply, policy=remat, prevent_cse=False)
-    def layer(x, xs):
-      params, lora, i = xs
-      return apply(x, {"params": params, **({"lora": lora} if lora is not None else {})}, i), None
-    return jax.lax.scan(layer, x, (stack.params, stack.lora, jnp.arange(stack.length)))[0]
+    for params, lora, first, on_host in swap_segments(stack):
+      run = fetch_and_apply if on_host else apply
+      if remat is not None or on_host:
+        run = jax.checkpoint(run, prevent_cse=False, policy=remat or save_all_but_device_copies)
+      def layer(x, xs, run=run):
+        params, lora, i = xs
+        return run(x, {"params": params, **({"lora": lora} if lora is not None else {})}, i), None
+      length = jax.tree.leaves(params)[0].shape[0]
+      x = jax.lax.scan(layer, x, (params, lora, first + jnp.arange(length)))[0]
+    return x
 
   @functools.partial(jax.checkpoint, prevent_cse=False,
                      policy=remat or jax.checkpoint_policies.save_anything_except_these_names(LAYER_WEIGHTS))

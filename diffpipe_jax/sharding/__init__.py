@@ -3,7 +3,8 @@
 Data parallelism: every batch is split over 'data'; the LoRA and optimizer state are replicated
 over it, so XLA all-reduces the LoRA gradients. Pipeline parallelism (stages > 1, see
 `pipeline.py`): the block stacks' weights, LoRA and Adam moments are stored per stage, sharded
-over 'stage'; everything else (embedders, final layers) is replicated.
+over 'stage'; everything else (embedders, final layers) is replicated. Block swapping (one
+stage): the frozen weights of the last `blocks_to_swap` blocks live in pinned host memory.
 """
 import dataclasses
 import re
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from diffpipe_jax.models.layers import Swapped
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 
 AXES = ("data", "stage")
@@ -41,12 +43,14 @@ def _path_name(path) -> str:
 
 
 def tree_shardings(mesh: Mesh, tree, rules=param_rules((), False)):
-  """A NamedSharding for every leaf of `tree` from `rules`; a leaf no rule covers is an error."""
+  """A NamedSharding for every leaf of `tree` from `rules`; a leaf no rule covers is an error.
+  The `pinned_host` part of a `Swapped` weight is placed in that memory."""
   def spec(path, _):
     name = _path_name(path)
+    memory_kind = "pinned_host" if name.endswith("/pinned_host") else None
     for pattern, s in rules:
       if re.fullmatch(pattern, name):
-        return NamedSharding(mesh, s)
+        return NamedSharding(mesh, s, memory_kind=memory_kind)
     raise ValueError(f"no sharding rule covers {name}")
   return jax.tree_util.tree_map_with_path(spec, tree)
 
@@ -59,6 +63,7 @@ class Layout:
   mesh: Mesh
   stacked: tuple
   plan: Optional[pipeline_lib.Plan] = None
+  swap: tuple = ()  # ((stack name, its last layers kept in pinned host memory), ...)
 
   @property
   def pipeline(self) -> Optional[pipeline_lib.Pipeline]:
@@ -75,10 +80,20 @@ class Layout:
     """This layout -> the plain layer layout that checkpoints and exports use."""
     return tree if self.plan is None else pipeline_lib.map_stacked(self.plan.to_layers, tree, self.stacked)
 
-  def create(self, fn, *args):
+  def split_swapped(self, path, weight):
+    """A frozen weight, `Swapped` when its stack has layers in host memory (jit-able)."""
+    layers = dict(self.swap).get(pipeline_lib.is_stacked_path(path, self.stacked), 0)
+    if not layers:
+      return weight
+    return Swapped(weight[:weight.shape[0] - layers], weight[weight.shape[0] - layers:])
+
+  def create(self, fn, *args, weights=False):
     """fn(*args), a tree in the plain layer layout, computed by one jit straight into this
-    layout's shardings (no device holds more than its share)."""
-    staged = lambda *a: self.to_stages(fn(*a))
+    layout's shardings (no device holds more than its share); `weights`: the frozen weights,
+    swapped blocks included."""
+    def staged(*a):
+      tree = self.to_stages(fn(*a))
+      return jax.tree_util.tree_map_with_path(self.split_swapped, tree) if weights else tree
     return jax.jit(staged, out_shardings=self.shardings(jax.eval_shape(staged, *args)))(*args)
 
   def put(self, path, host_array):
@@ -90,15 +105,40 @@ class Layout:
     spec = P("stage") if self.plan is not None and name is not None else P()
     return jax.device_put(host_array, NamedSharding(self.mesh, spec))
 
+  def settle(self, path, weight):
+    """A placed frozen weight in its final form: its swapped layers moved to host memory."""
+    weight = self.split_swapped(path, weight)
+    if not isinstance(weight, Swapped):
+      return weight
+    host = NamedSharding(self.mesh, P(), memory_kind="pinned_host")
+    return Swapped(weight.device, jax.device_put(weight.pinned_host, host))
 
-def make_layout(mesh: Mesh, family, model_config, microbatches: int, **plan_options) -> Layout:
+
+def swapped_layers(stack_layouts, blocks_to_swap: int) -> tuple:
+  """((stack name, layers), ...): `blocks_to_swap` blocks counted from the model's last."""
+  total = sum(length for _, length, _ in stack_layouts)
+  if not 0 <= blocks_to_swap <= total:
+    raise ValueError(f"blocks_to_swap={blocks_to_swap}; the model has {total} blocks")
+  swap = []
+  for name, length, _ in reversed(stack_layouts):
+    layers = min(length, blocks_to_swap - sum(n for _, n in swap))
+    swap += [(name, layers)] if layers else []
+  return tuple(swap)
+
+
+def make_layout(mesh: Mesh, family, model_config, microbatches: int, blocks_to_swap: int = 0,
+                **plan_options) -> Layout:
   """The layout on `mesh`; with more than one stage, the pipeline plan for the family's block
-  stacks (`plan.describe()` prints it) and `microbatches` microbatches a step."""
+  stacks (`plan.describe()` prints it) and `microbatches` microbatches a step; on one stage,
+  the last `blocks_to_swap` blocks' frozen weights in pinned host memory."""
   plan = None
   if mesh.shape["stage"] > 1:
+    if blocks_to_swap:
+      raise ValueError("blocks_to_swap needs pipeline_stages=1 (a pipeline already divides the weights)")
     plan = pipeline_lib.make_plan(family.stack_layouts(model_config), mesh.shape["stage"],
                                   microbatches, **plan_options)
-  return Layout(mesh, tuple(family.STACKED), plan)
+  swap = swapped_layers(family.stack_layouts(model_config), blocks_to_swap)
+  return Layout(mesh, tuple(family.STACKED), plan, swap)
 
 
 def global_batch(mesh: Mesh, local_batch, batch_axis: int = 1):
