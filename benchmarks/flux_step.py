@@ -68,11 +68,9 @@ def run_mode(a, mode, layout_name):
       tx=tx, family=flux), jax.random.key(1))
   grid = a.res // 16
   samples = data * a.microbatches  # one sample per microbatch and data-parallel replica
-  inputs = flux.random_inputs(cfg, samples, grid, grid, a.txt)
-  batch = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
-               pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * samples))
   batch = jax.tree.map(lambda x: x.reshape(a.microbatches, data, *x.shape[1:]).astype(
-      dtype if x.ndim == 3 and x.shape[-1] != 3 else x.dtype), batch)
+      dtype if x.ndim == 3 and x.shape[-1] != 3 else x.dtype),
+      flux.random_batch(cfg, samples, grid, grid, a.txt))
   batches = sharding.global_batch(layout.mesh, batch)
   step = jax.jit(functools.partial(train.train_step, tx=tx,
                                    grads=train.grad_fn(model, config, layout.pipeline)),

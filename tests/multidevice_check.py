@@ -22,9 +22,7 @@ LAYOUTS = ((2, 1), (8, 1), (1, 2), (2, 2), (1, 4), (2, 4), (1, 8))  # (data, sta
 
 
 def batches_for(cfg, step, mesh, batch=32, accum=4):
-  inputs = flux.random_inputs(cfg, batch, 4, 4, 6, seed=step)
-  local = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
-               pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * batch))
+  local = flux.random_batch(cfg, batch, 4, 4, 6, seed=step)
   local = jax.tree.map(lambda x: x.reshape(accum, batch // accum, *x.shape[1:]), local)
   return sharding.global_batch(mesh, local)
 

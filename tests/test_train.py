@@ -42,9 +42,7 @@ def run_main(tmp_path, *args, output="out", devices=1):
 
 def trained_adapter(model, config, steps, samples=2):
   """Runs the real jitted train step `steps` times on a synthetic dataset; returns (adapter, losses)."""
-  inputs = flux.random_inputs(model.config, samples, 4, 4, 6)
-  batch = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
-               pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * samples))
+  batch = flux.random_batch(model.config, samples, 4, 4, 6)
   tx, _ = optim.make(config, steps)
   adapter = lora.init(model.params, flux.LORA_TARGETS, config.adapter.rank, jnp.float32, jax.random.key(0))
   state = dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
@@ -90,9 +88,7 @@ def test_lora_dropout_acts_in_training_only(dev):
   _, model = dev
   adapter = lora.init(model.params, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
   adapter = jax.tree.map(lambda x: x + 0.1, adapter)  # non-zero B
-  inputs = flux.random_inputs(model.config, 2, 3, 4, 4)
-  batch = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
-               pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * 2))
+  batch = flux.random_batch(model.config, 2, 3, 4, 4)
   loss = lambda rate, seed: float(train.loss_fn(adapter, model.params, batch, jax.random.key(seed),
                                                 model=model, config=tiny_config(**{"adapter.dropout": rate})))
   assert loss(0.5, 0) != loss(0.0, 0)  # same noise and t, dropped LoRA inputs
@@ -168,12 +164,18 @@ def test_float8_base_tracks_full_precision(flux_checkpoints):
   assert losses8[-1] < 0.6 * losses8[0]
 
 
+def equations(jaxpr):
+  """Every equation of a jaxpr and of the jaxprs inside it (scan bodies, checkpoints, ...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from equations(sub)
+
+
 def host_copies(jaxpr):
-  """The values a jaxpr (and every jaxpr inside it) moves to host memory."""
-  subs = [sub for eqn in jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
-  return [v.aval for eqn in jaxpr.eqns if eqn.primitive.name == "device_put" for v in eqn.outvars
-          if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host] + [
-              aval for sub in subs for aval in host_copies(sub)]
+  """The values a jaxpr moves to host memory."""
+  return [v.aval for eqn in equations(jaxpr) if eqn.primitive.name == "device_put"
+          for v in eqn.outvars if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host]
 
 
 def test_remat_policies_and_unrolled_layers_give_the_same_gradients(flux_checkpoints):
@@ -181,9 +183,7 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(flux_checkpo
   scan: same loss and gradients. Remat must shrink the temporaries, and "block_offload" must send
   each block's input [B, T + L, D] to host memory."""
   model = models.load("flux", flux_checkpoints["dev"]["diffusers"], progress=False)
-  inputs = flux.random_inputs(model.config, 2, 4, 4, 6)
-  batch = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
-               pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * 2))
+  batch = flux.random_batch(model.config, 2, 4, 4, 6)
   adapter = lora.init(model.params, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
   adapter = jax.tree.map(lambda a: a + 0.01, adapter)  # B != 0: every gradient is nonzero
   args = (adapter, model.params, jax.tree.map(lambda x: x[None], batch),
@@ -228,9 +228,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(flux_che
     assert all(s.pinned_host.sharding.memory_kind == "pinned_host" for s in swapped)
     assert all(s.device.sharding.memory_kind == "device" for s in swapped)
     if not results:
-      inputs = flux.random_inputs(model.config, 2, 4, 4, 6)
-      batch = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
-                   pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * 2))
+      batch = flux.random_batch(model.config, 2, 4, 4, 6)
       adapter = lora.init(abstract, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
       adapter = jax.tree.map(lambda a: a + 0.01, adapter)
     args = (adapter, model.params, jax.tree.map(lambda x: x[None], batch),
@@ -258,11 +256,10 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(flux_che
 
 
 def scan_output_shapes(jaxpr):
-  """The shapes of every scan's outputs in a jaxpr and the jaxprs inside it (the forward
-  scans' outputs hold the residuals kept for the backward pass)."""
-  subs = [sub for eqn in jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
-  return [tuple(v.aval.shape) for eqn in jaxpr.eqns if eqn.primitive.name == "scan"
-          for v in eqn.outvars] + [shape for sub in subs for shape in scan_output_shapes(sub)]
+  """The shapes of every scan's outputs (a forward scan's hold the residuals kept for the
+  backward pass)."""
+  return [tuple(v.aval.shape) for eqn in equations(jaxpr) if eqn.primitive.name == "scan"
+          for v in eqn.outvars]
 
 
 def test_two_processes_train_as_one_process_with_two_devices(tmp_path):

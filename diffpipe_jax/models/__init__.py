@@ -84,7 +84,7 @@ def remat_policy(remat: str, scan_layers: bool = True, pipelined: bool = False, 
                      f"blocks_to_swap only (activation_checkpointing={remat!r}, pipelined: "
                      f"{pipelined}, swapped: {swapped}); set scan_layers=True")
   if pipelined and swapped:
-    raise ValueError("blocks_to_swap needs pipeline_stages=1 (a pipeline already divides the weights)")
+    raise ValueError(layers.SWAP_NEEDS_ONE_STAGE)
   return REMAT_POLICIES[remat]
 
 
@@ -118,13 +118,14 @@ def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_
   fam = family(name)
   config, files, rows = convert.open_checkpoint(fam, path, axes_dims_rope)
   module = _module(fam, config, dtype, param_dtype, attention_impl, remat, scan_layers)
-  finalize = storage_finalizer(fam, transformer_dtype) or (lambda path, value: {path: value})
-  if layout is not None:
-    finalize = lambda path, value, storage=finalize: {
-        p: layout.settle(p, v) for p, v in storage(path, value).items()}
+  storage = storage_finalizer(fam, transformer_dtype) or (lambda path, value: {path: value})
+
+  def finalize(path, value):  # storage dtype first, then the layout's swap (float8 is swapped too)
+    leaves = storage(path, value)
+    return leaves if layout is None else {p: layout.settle(p, v) for p, v in leaves.items()}
+  put = layout.put if layout is not None else lambda path, x: jax.device_put(x)
   params = convert.load_params(abstract_params(fam, module, config), fam, files, rows,
-                               param_dtype or dtype, put=layout.put if layout else
-                               lambda path, x: jax.device_put(x), finalize=finalize, progress=progress)
+                               param_dtype or dtype, put=put, finalize=finalize, progress=progress)
   return Model(fam, config, module, params)
 
 

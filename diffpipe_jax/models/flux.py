@@ -285,6 +285,13 @@ def image_ids(height: int, width: int) -> np.ndarray:
   return ids.reshape(-1, 3)
 
 
+def random_batch(cfg: FluxConfig, batch=1, height=2, width=2, txt_len=3, seed=0) -> dict:
+  """`random_inputs` as a batch of cached samples (what `training_inputs` takes)."""
+  inputs = random_inputs(cfg, batch, height, width, txt_len, seed)
+  return dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
+              pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * batch))
+
+
 def random_inputs(cfg: FluxConfig, batch=1, height=2, width=2, txt_len=3, seed=0) -> dict:
   """Random forward inputs for a packed latent grid of height x width tokens (numpy float32)."""
   rng = np.random.default_rng(seed)

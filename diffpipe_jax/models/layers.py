@@ -248,14 +248,15 @@ def swap_segments(stack: Stack):
   return [s for s in segments if jax.tree.leaves(s[0])[0].shape[0]]  # all layers may be swapped
 
 
+SWAP_NEEDS_ONE_STAGE = "blocks_to_swap needs pipeline_stages=1 (a pipeline already divides the weights)"
 LAYER_WEIGHTS = "layer_weights"  # the checkpoint name of one layer's slice of the stacked weights
+BLOCK_INPUT = "block_input"  # the checkpoint name of each block's input (what per-block remat keeps)
 
 
 def save_all_but_device_copies(primitive, *_, **__):
   """A jax.checkpoint policy: no remat, except that a copy to the device (a swapped layer's
   weights) is made again in the backward pass rather than kept."""
   return primitive.name != "device_put"
-BLOCK_INPUT = "block_input"  # the checkpoint name of each block's input (what per-block remat keeps)
 
 
 def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=None, start=None,
@@ -286,6 +287,7 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
       x = apply(x, {"params": take(stack.params),
                     **({"lora": take(stack.lora)} if stack.lora is not None else {})}, i)
     return x
+
   def fetch_and_apply(x, variables, i):
     to_device = lambda a: jax.device_put(a, jax.memory.Space.Device)
     return apply(x, dict(variables, params=jax.tree.map(to_device, variables["params"])), i)

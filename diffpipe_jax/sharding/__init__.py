@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diffpipe_jax.models.layers import Swapped
+from diffpipe_jax.models.layers import SWAP_NEEDS_ONE_STAGE, Swapped
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 
 AXES = ("data", "stage")
@@ -119,10 +119,11 @@ def swapped_layers(stack_layouts, blocks_to_swap: int) -> tuple:
   total = sum(length for _, length, _ in stack_layouts)
   if not 0 <= blocks_to_swap <= total:
     raise ValueError(f"blocks_to_swap={blocks_to_swap}; the model has {total} blocks")
-  swap = []
+  swap, left = [], blocks_to_swap
   for name, length, _ in reversed(stack_layouts):
-    layers = min(length, blocks_to_swap - sum(n for _, n in swap))
-    swap += [(name, layers)] if layers else []
+    if left:
+      swap.append((name, min(length, left)))
+      left -= swap[-1][1]
   return tuple(swap)
 
 
@@ -134,7 +135,7 @@ def make_layout(mesh: Mesh, family, model_config, microbatches: int, blocks_to_s
   plan = None
   if mesh.shape["stage"] > 1:
     if blocks_to_swap:
-      raise ValueError("blocks_to_swap needs pipeline_stages=1 (a pipeline already divides the weights)")
+      raise ValueError(SWAP_NEEDS_ONE_STAGE)
     plan = pipeline_lib.make_plan(family.stack_layouts(model_config), mesh.shape["stage"],
                                   microbatches, **plan_options)
   swap = swapped_layers(family.stack_layouts(model_config), blocks_to_swap)
