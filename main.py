@@ -159,7 +159,7 @@ def main(argv):
       print(layout.plan.describe())
     if layout.swap:
       print("frozen weights in pinned host memory: " + ", ".join(
-          f"the last {n} of {name}" for name, n in layout.swap))
+          f"{n} of the {name}, spread evenly" for name, n in layout.swap))
     model = models.load(config.model.type, path, dtype=jnp.dtype(config.model.dtype),
                         transformer_dtype=config.model.transformer_dtype,
                         remat=config.activation_checkpointing, scan_layers=config.scan_layers,

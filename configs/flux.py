@@ -36,8 +36,9 @@ def get_config(arg=""):
   # False: blocks unrolled, for activation_checkpointing="none" on one stage: 15% faster steps,
   # compile 7x longer
   c.scan_layers = True
-  # The last N blocks' frozen weights stay in pinned host memory and are copied to the GPU as
-  # each block runs (forward, and again in the backward pass): less memory, slower (one stage).
+  # N blocks' frozen weights (the single blocks first, spread evenly) stay in pinned host memory
+  # and are copied to the GPU as each block runs, forward and again backward; their stack is
+  # rematerialised block by block (one stage only; experimental, see README.md).
   c.blocks_to_swap = 0
 
   c.model = ml_collections.ConfigDict()

@@ -31,6 +31,13 @@ def test_flux_step_benchmark_smoke(tmp_path):
   assert len(glob.glob(str(tmp_path / "**" / "*.trace.json.gz"), recursive=True)) == 6
 
 
+def test_host_copy_benchmark_smoke():
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_copy.py"), "--smoke"],
+                       check=True, stdout=subprocess.PIPE, text=True).stdout
+  rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
+  assert len(rows) == 5 and all(float(row.split("|")[2]) > 0 for row in rows), out
+
+
 def test_trace_summary_counts_overlapping_gpu_work_once(tmp_path):
   gpu, host = 7, 1
   events = [dict(ph="M", name="process_name", pid=gpu, args=dict(name="/device:GPU:0")),

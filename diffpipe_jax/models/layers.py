@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 Dtype = Any
@@ -227,25 +228,25 @@ class Stack:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Swapped:
-  """A stacked weight split on its layer axis: the first layers in device memory, the last ones
-  (`blocks_to_swap`) in pinned host memory, each brought to the device when its layer runs."""
+  """A stacked weight split on its layer axis: the resident layers stacked in device memory,
+  the swapped ones (`swap_positions`) one array each in pinned host memory. Whole arrays, so
+  that each copy to the device is a DMA that runs beside the compute (a slice of a stacked host
+  array is a kernel that competes with it)."""
   device: Any
-  pinned_host: Any
+  pinned_host: tuple
 
 
-def swap_segments(stack: Stack):
-  """[(params, lora, first layer, on host)] of the stack's layers: all of them, or the
-  device-resident ones then the swapped ones when its weights are `Swapped`."""
-  swapped = lambda leaf: isinstance(leaf, Swapped)
-  leaves = jax.tree.leaves(stack.params, is_leaf=swapped)
-  if not any(map(swapped, leaves)):
-    return [(stack.params, stack.lora, 0, False)]
-  n = next(leaf.device.shape[0] for leaf in leaves if swapped(leaf))
-  part = lambda field: jax.tree.map(lambda leaf: getattr(leaf, field), stack.params, is_leaf=swapped)
-  lora = lambda layers: None if stack.lora is None else jax.tree.map(lambda a: a[layers], stack.lora)
-  segments = [(part("device"), lora(slice(0, n)), 0, False),
-              (part("pinned_host"), lora(slice(n, None)), n, True)]
-  return [s for s in segments if jax.tree.leaves(s[0])[0].shape[0]]  # all layers may be swapped
+def swap_positions(length: int, swapped: int) -> tuple:
+  """The layers of a stack of `length` whose weights live in host memory when `swapped` of them
+  do: spread evenly, so that each one's copy overlaps the resident layers computed before it."""
+  return tuple((2 * j + 1) * length // (2 * swapped) for j in range(swapped))
+
+
+def split_layers(weight, swapped: int):
+  """A stacked weight [length, ...] -> `Swapped` (still where `weight` is; jit-able)."""
+  host = swap_positions(weight.shape[0], swapped)
+  resident = np.array([i for i in range(weight.shape[0]) if i not in host], dtype=np.int32)
+  return Swapped(weight[resident], tuple(weight[i] for i in host))
 
 
 SWAP_NEEDS_ONE_STAGE = "blocks_to_swap needs pipeline_stages=1 (a pipeline already divides the weights)"
@@ -253,10 +254,11 @@ LAYER_WEIGHTS = "layer_weights"  # the checkpoint name of one layer's slice of t
 BLOCK_INPUT = "block_input"  # the checkpoint name of each block's input (what per-block remat keeps)
 
 
-def save_all_but_device_copies(primitive, *_, **__):
-  """A jax.checkpoint policy: no remat, except that a copy to the device (a swapped layer's
-  weights) is made again in the backward pass rather than kept."""
-  return primitive.name != "device_put"
+def apply_block(stack: Stack, x, params, lora, args, key, i):
+  """Layer i of `stack` (dropout key: `key` folded with i)."""
+  variables = {"params": params, **({"lora": lora} if lora is not None else {})}
+  rngs = None if key is None else {"dropout": jax.random.fold_in(key, i)}
+  return stack.block.apply(variables, checkpoint_name(x, BLOCK_INPUT), *args, rngs=rngs)
 
 
 def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=None, start=None,
@@ -265,8 +267,6 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
   policy `remat` (None: no rematerialisation).
 
   The whole stack: the stacked weights are the scan's xs, which the backward pass reads in place.
-  Layers whose weights are in host memory (`Swapped`) copy them to the device inside the
-  checkpoint, which never saves the copy: the backward pass fetches them again.
   With `scan=False` (no remat only) a Python loop instead: one program per layer, so compiling
   takes far longer, but each layer's residuals are buffers of their own rather than slices of
   stacked ones that the scan fills and copies back out (at full Flux size, 15% of the step).
@@ -274,50 +274,112 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
   inside a checkpoint that never saves the slice, so the backward pass slices again instead of
   keeping a stacked copy; where `valid[i]` is False, layer i passes x on unchanged (padding of
   uneven stages: computed, as the busy stages compute meanwhile, and selected away).
+  A stack with swapped layers (`Swapped` weights): see `run_swapped`.
   """
-  def apply(x, variables, i):
-    rngs = None if key is None else {"dropout": jax.random.fold_in(key, i)}
-    return stack.block.apply(variables, checkpoint_name(x, BLOCK_INPUT), *args, rngs=rngs)
+  apply = lambda x, params, lora, i: apply_block(stack, x, params, lora, args, key, i)
+  if count is not None:
+    @functools.partial(jax.checkpoint, prevent_cse=False,
+                       policy=remat or jax.checkpoint_policies.save_anything_except_these_names(LAYER_WEIGHTS))
+    def apply_layer(x, i):
+      take = lambda tree: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+      return apply(x, jax.tree.map(lambda a: checkpoint_name(a, LAYER_WEIGHTS), take(stack.params)),
+                   take(stack.lora), i)
 
-  if count is None and not scan:
+    def layer(x, j):
+      i = start + j
+      y = apply_layer(x, i)
+      return (y if valid is None else jnp.where(valid[i], y, x)), None
+    return jax.lax.scan(layer, x, jnp.arange(count))[0]
+
+  if any(isinstance(leaf, Swapped) for leaf in
+         jax.tree.leaves(stack.params, is_leaf=lambda leaf: isinstance(leaf, Swapped))):
+    return run_swapped(stack, x, args, key)
+  if not scan:
     # Unrolled, XLA is free to schedule a remat's recomputation early, saving nothing.
-    assert remat is None and len(swap_segments(stack)) == 1, "unrolled layers: no remat, no swap"
+    assert remat is None, "unrolled layers: no remat"
     for i in range(stack.length):
-      take = lambda tree: jax.tree.map(lambda a: a[i], tree)
-      x = apply(x, {"params": take(stack.params),
-                    **({"lora": take(stack.lora)} if stack.lora is not None else {})}, i)
+      x = apply(x, *jax.tree.map(lambda a: a[i], (stack.params, stack.lora)), i)
     return x
+  run = apply if remat is None else jax.checkpoint(apply, prevent_cse=False, policy=remat)
+  layer = lambda x, xs: (run(x, *xs), None)
+  return jax.lax.scan(layer, x, (stack.params, stack.lora, jnp.arange(stack.length)))[0]
 
-  def fetch_and_apply(x, variables, i):
-    to_device = lambda a: jax.device_put(a, jax.memory.Space.Device)
-    return apply(x, dict(variables, params=jax.tree.map(to_device, variables["params"])), i)
 
-  if count is None:
-    for params, lora, first, on_host in swap_segments(stack):
-      run = fetch_and_apply if on_host else apply
-      if remat is not None or on_host:
-        run = jax.checkpoint(run, prevent_cse=False, policy=remat or save_all_but_device_copies)
-      def layer(x, xs, run=run):
-        params, lora, i = xs
-        return run(x, {"params": params, **({"lora": lora} if lora is not None else {})}, i), None
-      length = jax.tree.leaves(params)[0].shape[0]
-      x = jax.lax.scan(layer, x, (params, lora, first + jnp.arange(length)))[0]
-    return x
+def run_swapped(stack: Stack, x, args, key):
+  """x through a stack whose swapped layers' weights are in host memory (`Swapped`).
 
-  @functools.partial(jax.checkpoint, prevent_cse=False,
-                     policy=remat or jax.checkpoint_policies.save_anything_except_these_names(LAYER_WEIGHTS))
-  def apply_layer(x, i):
-    take = lambda tree: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
-    variables = {"params": jax.tree.map(lambda a: checkpoint_name(a, LAYER_WEIGHTS), take(stack.params))}
-    if stack.lora is not None:
-      variables["lora"] = take(stack.lora)
-    return apply(x, variables, i)
+  Each swapped layer is its own call, between scans of the resident layers, so its weights are
+  whole host arrays that the device copies by DMA beside the compute; the copy may start with
+  the piece of the stack before it (not earlier, which would hold every layer's weights at
+  once). Every layer is rematerialised in the backward pass (whatever `activation_checkpointing`
+  says: a swapped layer's weights must be copied again anyway) by `recompute_in_order`.
+  """
+  def layer(x, lora, args, weights, index):
+    i, weight_index, key = index  # layer, its weights' index (None: `weights` are a host layer's)
+    if weight_index is None:
+      weights = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), weights)
+    else:
+      weights = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, weight_index, keepdims=False), weights)
+    return apply_block(stack, x, weights, lora, args, key, i)
 
-  def layer(x, j):
-    i = start + j
-    y = apply_layer(x, i)
-    return (y if valid is None else jnp.where(valid[i], y, x)), None
-  return jax.lax.scan(layer, x, jnp.arange(count))[0]
+  swapped = lambda leaf: isinstance(leaf, Swapped)
+  resident = jax.tree.map(lambda leaf: leaf.device, stack.params, is_leaf=swapped)
+  host = jax.tree.leaves(jax.tree.map(lambda leaf: len(leaf.pinned_host), stack.params, is_leaf=swapped))[0]
+  positions = swap_positions(stack.length, host)
+  # The LoRA in pieces (resident runs, swapped layers) by one split, whose gradient is one
+  # concatenation rather than a full-size sum per piece.
+  bounds = sorted({0, stack.length, *positions, *(i + 1 for i in positions)})
+  loras = split_layer_axis(stack.lora, np.diff(bounds).tolist())
+  previous_x = x  # the input of the piece before this one
+  for (first, end), lora in zip(zip(bounds, bounds[1:]), loras):
+    if first in positions:
+      j = positions.index(first)
+      weights = jax.tree.map(lambda leaf: leaf.pinned_host[j], stack.params, is_leaf=swapped)
+      weights, _ = jax.lax.optimization_barrier((weights, jax.lax.stop_gradient(previous_x)))
+      y = recompute_in_order(layer, x, jax.tree.map(lambda a: a[0], lora), args, weights, (first, None, key))
+    else:
+      swapped_before = sum(p < first for p in positions)  # resident index = layer - swapped_before
+      step = lambda x, xs: (recompute_in_order(layer, x, xs[0], args, resident,
+                                               (xs[1], xs[1] - swapped_before, key)), None)
+      y = jax.lax.scan(step, x, (lora, jnp.arange(first, end)))[0]
+    previous_x, x = x, y
+  return x
+
+
+def split_layer_axis(tree, sizes):
+  """[tree of the first sizes[0] layers, of the next sizes[1], ...] (None for None)."""
+  if tree is None:
+    return [None] * len(sizes)
+  leaves, treedef = jax.tree.flatten(tree)
+  parts = [jax.lax.split(a, sizes) for a in leaves]
+  return [treedef.unflatten([p[k] for p in parts]) for k in range(len(sizes))]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def recompute_in_order(layer, x, lora, args, weights, index):
+  """layer(x, lora, args, weights, index), recomputed in the backward pass only once its
+  cotangent has arrived: a plain remat that XLA sees unrolled (or a scan of one step, inlined)
+  may be recomputed as early as XLA likes, all layers at once. No gradient for weights, index."""
+  return layer(x, lora, args, weights, index)
+
+
+def _recompute_in_order_fwd(layer, x, lora, args, weights, index):
+  return layer(x, lora, args, weights, index), (x, lora, args, weights, index)
+
+
+def _recompute_in_order_bwd(layer, residuals, ct):
+  (x, lora, args, weights, index), ct = jax.lax.optimization_barrier((residuals, ct))
+  # XLA turns the barrier into an ordering, after which its CSE would merge the recomputation
+  # (and a weight slice) with the forward pass's: adding 0 * ct makes new values (XLA keeps
+  # 0 * y for floats, for NaN's sake).
+  zero = 0 * ct.reshape(-1)[0]
+  x = x + zero.astype(x.dtype)
+  index = jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.integer) else a, index)
+  _, vjp = jax.vjp(lambda x, lora, args: layer(x, lora, args, weights, index), x, lora, args)
+  return (*vjp(ct), None, None)
+
+
+recompute_in_order.defvjp(_recompute_in_order_fwd, _recompute_in_order_bwd)
 
 
 def run_stacks(stacks: Sequence[Stack], x, per_sample, shared, *, remat=None, key=None, scan=True):

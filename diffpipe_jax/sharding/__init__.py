@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diffpipe_jax.models.layers import SWAP_NEEDS_ONE_STAGE, Swapped
+from diffpipe_jax.models.layers import SWAP_NEEDS_ONE_STAGE, Swapped, split_layers
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 
 AXES = ("data", "stage")
@@ -44,10 +44,10 @@ def _path_name(path) -> str:
 
 def tree_shardings(mesh: Mesh, tree, rules=param_rules((), False)):
   """A NamedSharding for every leaf of `tree` from `rules`; a leaf no rule covers is an error.
-  The `pinned_host` part of a `Swapped` weight is placed in that memory."""
+  The `pinned_host` layers of a `Swapped` weight are placed in that memory."""
   def spec(path, _):
     name = _path_name(path)
-    memory_kind = "pinned_host" if name.endswith("/pinned_host") else None
+    memory_kind = "pinned_host" if re.fullmatch(r".*/pinned_host/\d+", name) else None
     for pattern, s in rules:
       if re.fullmatch(pattern, name):
         return NamedSharding(mesh, s, memory_kind=memory_kind)
@@ -83,9 +83,7 @@ class Layout:
   def split_swapped(self, path, weight):
     """A frozen weight, `Swapped` when its stack has layers in host memory (jit-able)."""
     layers = dict(self.swap).get(pipeline_lib.is_stacked_path(path, self.stacked), 0)
-    if not layers:
-      return weight
-    return Swapped(weight[:weight.shape[0] - layers], weight[weight.shape[0] - layers:])
+    return split_layers(weight, layers) if layers else weight
 
   def create(self, fn, *args, weights=False):
     """fn(*args), a tree in the plain layer layout, computed by one jit straight into this
@@ -115,7 +113,8 @@ class Layout:
 
 
 def swapped_layers(stack_layouts, blocks_to_swap: int) -> tuple:
-  """((stack name, layers), ...): `blocks_to_swap` blocks counted from the model's last."""
+  """((stack name, layers), ...): `blocks_to_swap` blocks taken from the model's last stack first,
+  spread evenly over each stack (`layers.swap_positions`)."""
   total = sum(length for _, length, _ in stack_layouts)
   if not 0 <= blocks_to_swap <= total:
     raise ValueError(f"blocks_to_swap={blocks_to_swap}; the model has {total} blocks")
@@ -131,7 +130,7 @@ def make_layout(mesh: Mesh, family, model_config, microbatches: int, blocks_to_s
                 **plan_options) -> Layout:
   """The layout on `mesh`; with more than one stage, the pipeline plan for the family's block
   stacks (`plan.describe()` prints it) and `microbatches` microbatches a step; on one stage,
-  the last `blocks_to_swap` blocks' frozen weights in pinned host memory."""
+  the frozen weights of `blocks_to_swap` blocks in pinned host memory."""
   plan = None
   if mesh.shape["stage"] > 1:
     if blocks_to_swap:
