@@ -101,7 +101,8 @@ def run_mode(a, mode, layout_name):
     jax.block_until_ready(m)
     jax.profiler.stop_trace()
   return dict(step_s=step_s, samples_per_s=samples / step_s, compile_s=compile_s,
-              peak_gib=memory("peak_bytes_in_use"), step_peak_gib=step_peak, resident_gib=resident, loss=float(m["loss"]),
+              peak_gib=memory("peak_bytes_in_use"), step_peak_gib=step_peak, resident_gib=resident,
+              loss=float(m["loss"]),
               bubble=layout.plan.bubble() if layout.plan else 0.0,
               device=devices[0].device_kind, jax=jax.__version__)
 
@@ -166,7 +167,8 @@ def main():
     one = ours.get((mode, "1x1"))
     rows.append((mode, "diffpipe-jax", layout, r["step_s"], r["samples_per_s"],
                  r["samples_per_s"] / one["samples_per_s"] if one else float("nan"), r["peak_gib"],
-                 r["step_peak_gib"], r["resident_gib"], flop * r["samples_per_s"] / gpus / 1e12, r["bubble"], r["compile_s"]))
+                 r["step_peak_gib"], r["resident_gib"], flop * r["samples_per_s"] / gpus / 1e12,
+                 r["bubble"], r["compile_s"]))
   for c, r in peer.items():
     rows.append((("no remat", "per-block remat")[c], "PyTorch peer", "1x1", r["step_s_median"],
                  1 / r["step_s_median"], float("nan"), r["peak_mem_gib"], float("nan"), float("nan"),
@@ -174,7 +176,8 @@ def main():
   for mode, impl, layout, step_s, rate, speedup, peak, step_peak, resident, tflops, bubble, compile_s in sorted(
       rows, key=lambda r: (list(MODES).index(r[0]), r[2])):
     print(f"| {mode} | {impl} | {layout} | {step_s:.3f} | {rate:.2f} | {speedup:.2f}x | {peak:.2f} | "
-          f"{step_peak:.2f} | {resident:.2f} | {tflops:.0f} | {tflops / CEILING_TFLOPS:.0%} | {bubble:.1%} | {compile_s:.0f} |")
+          f"{step_peak:.2f} | {resident:.2f} | {tflops:.0f} | {tflops / CEILING_TFLOPS:.0%} | "
+          f"{bubble:.1%} | {compile_s:.0f} |")
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def main():
         f"pinned host memory; {device.device_kind}, jax {jax.__version__}")
   print("| variant | ms (median) |")
   print("|---|---|")
-  rows = [("compute alone (weights on the device)", compute_only, (x, *(jax.device_put(w, on_device) for w in (w1, w2)))),
+  resident = [jax.device_put(w, on_device) for w in (w1, w2)]
+  rows = [("compute alone (weights on the device)", compute_only, (x, *resident)),
           ("copies alone (slices of stacked host arrays)", copies_only, (w1, w2)),
           ("scan, each layer copies its slice", scan_fetch, (x, w1, w2)),
           ("scan, the next layer's slice copied ahead", scan_prefetch, (x, w1, w2)),

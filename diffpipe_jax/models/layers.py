@@ -336,7 +336,8 @@ def run_swapped(stack: Stack, x, args, key):
       j = positions.index(first)
       weights = jax.tree.map(lambda leaf: leaf.pinned_host[j], stack.params, is_leaf=swapped)
       weights, _ = jax.lax.optimization_barrier((weights, jax.lax.stop_gradient(previous_x)))
-      y = recompute_in_order(layer, x, jax.tree.map(lambda a: a[0], lora), args, weights, (first, None, key))
+      lora = jax.tree.map(lambda a: a[0], lora)
+      y = recompute_in_order(layer, x, lora, args, weights, (first, None, key))
     else:
       swapped_before = sum(p < first for p in positions)  # resident index = layer - swapped_before
       step = lambda x, xs: (recompute_in_order(layer, x, xs[0], args, resident,
@@ -374,7 +375,8 @@ def _recompute_in_order_bwd(layer, residuals, ct):
   # 0 * y for floats, for NaN's sake).
   zero = 0 * ct.reshape(-1)[0]
   x = x + zero.astype(x.dtype)
-  index = jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.integer) else a, index)
+  salt = lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.integer) else a
+  index = jax.tree.map(salt, index)
   _, vjp = jax.vjp(lambda x, lora, args: layer(x, lora, args, weights, index), x, lora, args)
   return (*vjp(ct), None, None)
 
