@@ -242,6 +242,13 @@ def swap_positions(length: int, swapped: int) -> tuple:
   return tuple((2 * j + 1) * length // (2 * swapped) for j in range(swapped))
 
 
+def host_layers(params) -> int:
+  """How many layers of a stack's weights live in host memory (`Swapped` leaves), 0 if none."""
+  swapped = [leaf for leaf in jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, Swapped))
+             if isinstance(leaf, Swapped)]
+  return len(swapped[0].pinned_host) if swapped else 0
+
+
 def split_layers(weight, swapped: int):
   """A stacked weight [length, ...] -> `Swapped` (still where `weight` is; jit-able)."""
   host = swap_positions(weight.shape[0], swapped)
@@ -291,8 +298,7 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
       return (y if valid is None else jnp.where(valid[i], y, x)), None
     return jax.lax.scan(layer, x, jnp.arange(count))[0]
 
-  if any(isinstance(leaf, Swapped) for leaf in
-         jax.tree.leaves(stack.params, is_leaf=lambda leaf: isinstance(leaf, Swapped))):
+  if host_layers(stack.params):
     return run_swapped(stack, x, args, key)
   if not scan:
     # Unrolled, XLA is free to schedule a remat's recomputation early, saving nothing.
@@ -324,8 +330,7 @@ def run_swapped(stack: Stack, x, args, key):
 
   swapped = lambda leaf: isinstance(leaf, Swapped)
   resident = jax.tree.map(lambda leaf: leaf.device, stack.params, is_leaf=swapped)
-  host = jax.tree.leaves(jax.tree.map(lambda leaf: len(leaf.pinned_host), stack.params, is_leaf=swapped))[0]
-  positions = swap_positions(stack.length, host)
+  positions = swap_positions(stack.length, host_layers(stack.params))
   # The LoRA in pieces (resident runs, swapped layers) by one split, whose gradient is one
   # concatenation rather than a full-size sum per piece.
   bounds = sorted({0, stack.length, *positions, *(i + 1 for i in positions)})

@@ -4,7 +4,8 @@ Data parallelism: every batch is split over 'data'; the LoRA and optimizer state
 over it, so XLA all-reduces the LoRA gradients. Pipeline parallelism (stages > 1, see
 `pipeline.py`): the block stacks' weights, LoRA and Adam moments are stored per stage, sharded
 over 'stage'; everything else (embedders, final layers) is replicated. Block swapping (one
-stage): the frozen weights of the last `blocks_to_swap` blocks live in pinned host memory.
+stage): the frozen weights of `blocks_to_swap` blocks, spread evenly over the last stacks, live
+in pinned host memory.
 """
 import dataclasses
 import re
@@ -63,7 +64,7 @@ class Layout:
   mesh: Mesh
   stacked: tuple
   plan: Optional[pipeline_lib.Plan] = None
-  swap: tuple = ()  # ((stack name, its last layers kept in pinned host memory), ...)
+  swap: tuple = ()  # ((stack name, how many of its layers live in pinned host memory), ...)
 
   @property
   def pipeline(self) -> Optional[pipeline_lib.Pipeline]:
