@@ -383,7 +383,10 @@ def _recompute_in_order_bwd(layer, residuals, ct):
   salt = lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.integer) else a
   index = jax.tree.map(salt, index)
   _, vjp = jax.vjp(lambda x, lora, args: layer(x, lora, args, weights, index), x, lora, args)
-  return (*vjp(ct), None, None)
+  # All of this layer's gradients before the layer below starts: otherwise XLA's GPU scheduler
+  # puts off the LoRA weight gradients, which are off the critical path, and keeps every
+  # layer's recomputed activations alive until the end of the backward pass.
+  return (*jax.lax.optimization_barrier(vjp(ct)), None, None)
 
 
 recompute_in_order.defvjp(_recompute_in_order_fwd, _recompute_in_order_bwd)
