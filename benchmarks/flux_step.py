@@ -126,7 +126,7 @@ def main():
   p.add_argument("--tick_overhead", type=float, help="the pipeline plan's per-tick cost (layers)")
   p.add_argument("--profile", default="", help="a folder: also trace two steps of each run there")
   p.add_argument("--blocks_to_swap", type=int, default=0,
-                 help="the last N blocks' frozen weights in pinned host memory (one stage only)")
+                 help="N blocks' frozen weights (single blocks first, spread evenly) in pinned host memory (one stage only)")
   p.add_argument("--run", help=argparse.SUPPRESS)  # mode@layout, in a subprocess of its own
   p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: tests the script")
   a = p.parse_args()

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 from diffpipe_jax import lora, models, optim, sharding, train
 from diffpipe_jax.models import flux
-from diffpipe_jax.models.layers import Swapped
+from diffpipe_jax.models.layers import swapped_leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -224,8 +224,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(flux_che
   for remat, swap in (("block", 0), ("none", 2), ("block", 4)):
     layout = sharding.make_layout(mesh, flux, models.checkpoint_config("flux", path), 1, swap)
     model = models.load("flux", path, remat=remat, layout=layout, progress=False)
-    swapped = [leaf for leaf in jax.tree.leaves(model.params, is_leaf=lambda l: isinstance(l, Swapped))
-               if isinstance(leaf, Swapped)]
+    swapped = swapped_leaves(model.params)
     abstract = models.abstract_params(flux, model.module, model.config)
     assert len(swapped) == sum(len(jax.tree.leaves(abstract[name])) for name, _ in layout.swap)
     assert len(layout.swap) == {0: 0, 2: 1, 4: 2}[swap]

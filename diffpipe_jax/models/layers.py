@@ -242,10 +242,18 @@ def swap_positions(length: int, swapped: int) -> tuple:
   return tuple((2 * j + 1) * length // (2 * swapped) for j in range(swapped))
 
 
+def is_swapped(leaf) -> bool:
+  return isinstance(leaf, Swapped)
+
+
+def swapped_leaves(params) -> list:
+  """The `Swapped` weights of a parameter tree."""
+  return [leaf for leaf in jax.tree.leaves(params, is_leaf=is_swapped) if is_swapped(leaf)]
+
+
 def host_layers(params) -> int:
   """How many layers of a stack's weights live in host memory (`Swapped` leaves), 0 if none."""
-  swapped = [leaf for leaf in jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, Swapped))
-             if isinstance(leaf, Swapped)]
+  swapped = swapped_leaves(params)
   return len(swapped[0].pinned_host) if swapped else 0
 
 
@@ -328,8 +336,7 @@ def run_swapped(stack: Stack, x, args, key):
       weights = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, weight_index, keepdims=False), weights)
     return apply_block(stack, x, weights, lora, args, key, i)
 
-  swapped = lambda leaf: isinstance(leaf, Swapped)
-  resident = jax.tree.map(lambda leaf: leaf.device, stack.params, is_leaf=swapped)
+  resident = jax.tree.map(lambda leaf: leaf.device, stack.params, is_leaf=is_swapped)
   positions = swap_positions(stack.length, host_layers(stack.params))
   # The LoRA in pieces (resident runs, swapped layers) by one split, whose gradient is one
   # concatenation rather than a full-size sum per piece.
@@ -339,7 +346,7 @@ def run_swapped(stack: Stack, x, args, key):
   for (first, end), lora in zip(zip(bounds, bounds[1:]), loras):
     if first in positions:
       j = positions.index(first)
-      weights = jax.tree.map(lambda leaf: leaf.pinned_host[j], stack.params, is_leaf=swapped)
+      weights = jax.tree.map(lambda leaf: leaf.pinned_host[j], stack.params, is_leaf=is_swapped)
       weights, _ = jax.lax.optimization_barrier((weights, jax.lax.stop_gradient(previous_x)))
       lora = jax.tree.map(lambda a: a[0], lora)
       y = recompute_in_order(layer, x, lora, args, weights, (first, None, key))
