@@ -126,7 +126,7 @@ def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_
   put = layout.put if layout is not None else lambda path, x: jax.device_put(x)
   params = convert.load_params(abstract_params(fam, module, config), fam, files, rows,
                                param_dtype or dtype, put=put, finalize=finalize, progress=progress)
-  return Model(fam, config, module, params)
+  return Model(fam, config, module, params if layout is None else layout.pack(params))
 
 
 def init_random(name: str, config, key, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,

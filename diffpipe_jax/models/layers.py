@@ -228,10 +228,13 @@ class Stack:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Swapped:
-  """A stacked weight split on its layer axis: the resident layers stacked in device memory,
-  the swapped ones (`swap_positions`) one array each in pinned host memory. Whole arrays, so
-  that each copy to the device is a DMA that runs beside the compute (a slice of a stacked host
-  array is a kernel that competes with it)."""
+  """Stacked weights split on their layer axis: the resident layers stacked in device memory,
+  the swapped ones (`swap_positions`) in pinned host memory. Of one weight (`split_layers`):
+  one host array per swapped layer, on the way to the stack's form. Of a whole stack
+  (`pack_layers`, the form the model runs): `device` is the tree of resident weights, and each
+  swapped layer is one byte buffer, copied to the device by one DMA that runs beside the
+  compute (XLA's GPU scheduler keeps at most two copies in flight, so a layer's dozen arrays,
+  copied one by one, would keep the compute waiting)."""
   device: Any
   pinned_host: tuple
 
@@ -246,15 +249,14 @@ def is_swapped(leaf) -> bool:
   return isinstance(leaf, Swapped)
 
 
-def swapped_leaves(params) -> list:
-  """The `Swapped` weights of a parameter tree."""
+def swapped_stacks(params) -> list:
+  """The `Swapped` stacks (or weights) of a parameter tree."""
   return [leaf for leaf in jax.tree.leaves(params, is_leaf=is_swapped) if is_swapped(leaf)]
 
 
 def host_layers(params) -> int:
-  """How many layers of a stack's weights live in host memory (`Swapped` leaves), 0 if none."""
-  swapped = swapped_leaves(params)
-  return len(swapped[0].pinned_host) if swapped else 0
+  """How many layers of a stack live in host memory (its params are `Swapped`), 0 if none."""
+  return len(params.pinned_host) if is_swapped(params) else 0
 
 
 def split_layers(weight, swapped: int):
@@ -262,6 +264,39 @@ def split_layers(weight, swapped: int):
   host = swap_positions(weight.shape[0], swapped)
   resident = np.array([i for i in range(weight.shape[0]) if i not in host], dtype=np.int32)
   return Swapped(weight[resident], tuple(weight[i] for i in host))
+
+
+def pack_layers(stack, pack_layer):
+  """A stack's tree of `split_layers` weights -> one `Swapped` whose host layers are
+  `layer_bytes` buffers, each made by `pack_layer` (`layer_bytes` placed in host memory)."""
+  leaves, treedef = jax.tree.flatten(stack, is_leaf=is_swapped)
+  return Swapped(treedef.unflatten([leaf.device for leaf in leaves]),
+                 tuple(pack_layer([leaf.pinned_host[j] for leaf in leaves])
+                       for j in range(len(leaves[0].pinned_host))))
+
+
+def to_device(tree):
+  return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), tree)
+
+
+def layer_bytes(weights):
+  """One layer's weights (any dtypes, wherever they are) as one uint8 vector on the device."""
+  as_bytes = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
+  return jnp.concatenate([as_bytes(a) for a in to_device(weights)])
+
+
+def layer_from_bytes(buffer, like):
+  """The weights of one layer from its `layer_bytes` buffer; `like`: the stack's stacked
+  weights (their shapes and dtypes)."""
+  leaves, treedef = jax.tree.flatten(like)
+  weights, offset = [], 0
+  for a in leaves:
+    shape, itemsize = a.shape[1:], a.dtype.itemsize
+    size = math.prod(shape) * itemsize
+    raw = jax.lax.slice_in_dim(buffer, offset, offset + size).reshape(shape + ((itemsize,) if itemsize > 1 else ()))
+    weights.append(jax.lax.bitcast_convert_type(raw, a.dtype))
+    offset += size
+  return treedef.unflatten(weights)
 
 
 SWAP_NEEDS_ONE_STAGE = "blocks_to_swap needs pipeline_stages=1 (a pipeline already divides the weights)"
@@ -323,39 +358,46 @@ def run_swapped(stack: Stack, x, args, key):
   """x through a stack whose swapped layers' weights are in host memory (`Swapped`).
 
   Each swapped layer is its own call, between scans of the resident layers, so its weights are
-  whole host arrays that the device copies by DMA beside the compute; the copy may start with
-  the piece of the stack before it (not earlier, which would hold every layer's weights at
-  once). Every layer is rematerialised in the backward pass (whatever `activation_checkpointing`
-  says: a swapped layer's weights must be copied again anyway) by `recompute_in_order`.
+  one host buffer that the device copies by DMA beside the compute. A swapped layer and the
+  resident layers after it form one `fetch_ahead` unit, whose backward pass copies the weights
+  while the resident layers' backward runs; in the forward pass the copy may start two units
+  before (not earlier, which would hold every layer's weights at once). Every layer is
+  rematerialised in the backward pass (whatever `activation_checkpointing` says: a swapped
+  layer's weights must be copied again anyway), in order (`recompute_in_order`).
   """
   def layer(x, lora, args, weights, index):
-    i, weight_index, key = index  # layer, its weights' index (None: `weights` are a host layer's)
-    if weight_index is None:
-      weights = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), weights)
-    else:
+    i, weight_index, key = index  # layer, its weights' index (None: `weights` are the layer's own)
+    if weight_index is not None:
       weights = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, weight_index, keepdims=False), weights)
     return apply_block(stack, x, weights, lora, args, key, i)
 
-  resident = jax.tree.map(lambda leaf: leaf.device, stack.params, is_leaf=is_swapped)
+  def run_resident(x, lora, args, weights, first, end, swapped_before):
+    """Layers first..end-1, all resident (weights index: layer - swapped_before)."""
+    if first == end:
+      return x
+    step = lambda x, xs: (recompute_in_order(layer, x, xs[0], args, weights,
+                                             (xs[1], xs[1] - swapped_before, key)), None)
+    return jax.lax.scan(step, x, (lora, jnp.arange(first, end)))[0]
+
+  resident = stack.params.device
   positions = swap_positions(stack.length, host_layers(stack.params))
   # The LoRA in pieces (resident runs, swapped layers) by one split, whose gradient is one
   # concatenation rather than a full-size sum per piece.
   bounds = sorted({0, stack.length, *positions, *(i + 1 for i in positions)})
-  loras = split_layer_axis(stack.lora, np.diff(bounds).tolist())
-  previous_x = x  # the input of the piece before this one
-  for (first, end), lora in zip(zip(bounds, bounds[1:]), loras):
-    if first in positions:
-      j = positions.index(first)
-      weights = jax.tree.map(lambda leaf: leaf.pinned_host[j], stack.params, is_leaf=is_swapped)
-      weights, _ = jax.lax.optimization_barrier((weights, jax.lax.stop_gradient(previous_x)))
-      lora = jax.tree.map(lambda a: a[0], lora)
-      y = recompute_in_order(layer, x, lora, args, weights, (first, None, key))
-    else:
-      swapped_before = sum(p < first for p in positions)  # resident index = layer - swapped_before
-      step = lambda x, xs: (recompute_in_order(layer, x, xs[0], args, resident,
-                                               (xs[1], xs[1] - swapped_before, key)), None)
-      y = jax.lax.scan(step, x, (lora, jnp.arange(first, end)))[0]
-    previous_x, x = x, y
+  loras = dict(zip(bounds, split_layer_axis(stack.lora, np.diff(bounds).tolist())))
+  stack_input, unit_inputs = x, []
+  if positions[0] > 0:
+    x = run_resident(x, loras[0], args, resident, 0, positions[0], 0)
+  for j, first in enumerate(positions):
+    end = positions[j + 1] if j + 1 < len(positions) else stack.length
+    # A layer's copy takes about as long as a unit's forward pass, so it may start two units
+    # ahead (with one, every other copy kept the compute waiting: measured).
+    ready = unit_inputs[j - 2] if j >= 2 else stack_input
+    host, _ = jax.lax.optimization_barrier((stack.params.pinned_host[j], jax.lax.stop_gradient(ready)))
+    after = functools.partial(run_resident, first=first + 1, end=end, swapped_before=j + 1)
+    lora = (jax.tree.map(lambda a: a[0], loras[first]), loras.get(first + 1) if end > first + 1 else None)
+    unit_inputs.append(x)
+    x = fetch_ahead(layer, after, x, lora, args, host, resident, (first, None, key))
   return x
 
 
@@ -382,6 +424,12 @@ def _recompute_in_order_fwd(layer, x, lora, args, weights, index):
 
 def _recompute_in_order_bwd(layer, residuals, ct):
   (x, lora, args, weights, index), ct = jax.lax.optimization_barrier((residuals, ct))
+  return (*recomputed_vjp(layer, x, lora, args, weights, index, ct), None, None)
+
+
+def recomputed_vjp(layer, x, lora, args, weights, index, ct):
+  """The gradients of layer(x, lora, args, weights, index) for x, lora, args, recomputing the
+  layer (whose inputs must come after ct, through an optimization_barrier)."""
   # XLA turns the barrier into an ordering, after which its CSE would merge the recomputation
   # (and a weight slice) with the forward pass's: adding 0 * ct makes new values (XLA keeps
   # 0 * y for floats, for NaN's sake).
@@ -393,10 +441,42 @@ def _recompute_in_order_bwd(layer, residuals, ct):
   # All of this layer's gradients before the layer below starts: otherwise XLA's GPU scheduler
   # puts off the LoRA weight gradients, which are off the critical path, and keeps every
   # layer's recomputed activations alive until the end of the backward pass.
-  return (*jax.lax.optimization_barrier(vjp(ct)), None, None)
+  return jax.lax.optimization_barrier(vjp(ct))
 
 
 recompute_in_order.defvjp(_recompute_in_order_fwd, _recompute_in_order_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def fetch_ahead(layer, after, x, lora, args, host_buffer, weights, index):
+  """after(layer(x, lora[0], args, the weights in host_buffer, index), lora[1], args, weights):
+  a swapped layer and the resident layers (`weights`) after it. The backward pass copies the
+  swapped layer's weights again as it starts, so that the copy runs beside the backward pass
+  of `after` (which comes first) rather than after it. No gradient for the weights, index."""
+  return after(layer(x, lora[0], args, fetch(host_buffer, weights), index), lora[1], args, weights)
+
+
+def fetch(host_buffer, like):
+  return layer_from_bytes(to_device(host_buffer), like)
+
+
+def _fetch_ahead_fwd(layer, after, x, lora, args, host_buffer, weights, index):
+  y = layer(x, lora[0], args, fetch(host_buffer, weights), index)
+  z, after_vjp = jax.vjp(lambda y, lora, args: after(y, lora, args, weights), y, lora[1], args)
+  return z, ((x, lora[0], args, host_buffer, index, after_vjp), weights)
+
+
+def _fetch_ahead_bwd(layer, after, residuals, ct):
+  residuals, weights = residuals  # `weights`: only their shapes
+  (x, lora, args, host_buffer, index, after_vjp), ct = jax.lax.optimization_barrier((residuals, ct))
+  swapped_weights = fetch(host_buffer, weights)
+  ct_y, ct_lora_after, ct_args_after = after_vjp(ct)
+  ct_x, ct_lora, ct_args = recomputed_vjp(layer, x, lora, args, swapped_weights, index, ct_y)
+  ct_args = jax.tree.map(jnp.add, ct_args, ct_args_after)
+  return ct_x, (ct_lora, ct_lora_after), ct_args, None, None, None
+
+
+fetch_ahead.defvjp(_fetch_ahead_fwd, _fetch_ahead_bwd)
 
 
 def run_stacks(stacks: Sequence[Stack], x, per_sample, shared, *, remat=None, key=None, scan=True):

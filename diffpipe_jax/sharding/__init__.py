@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diffpipe_jax.models.layers import SWAP_NEEDS_ONE_STAGE, Swapped, split_layers
+from diffpipe_jax.models.layers import SWAP_NEEDS_ONE_STAGE, Swapped, layer_bytes, pack_layers, split_layers
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 
 AXES = ("data", "stage")
@@ -92,7 +92,7 @@ class Layout:
     swapped blocks included."""
     def staged(*a):
       tree = self.to_stages(fn(*a))
-      return jax.tree_util.tree_map_with_path(self.split_swapped, tree) if weights else tree
+      return self.pack(jax.tree_util.tree_map_with_path(self.split_swapped, tree)) if weights else tree
     return jax.jit(staged, out_shardings=self.shardings(jax.eval_shape(staged, *args)))(*args)
 
   def put(self, path, host_array):
@@ -105,12 +105,24 @@ class Layout:
     return jax.device_put(host_array, NamedSharding(self.mesh, spec))
 
   def settle(self, path, weight):
-    """A placed frozen weight in its final form: its swapped layers moved to host memory."""
+    """A placed frozen weight: its swapped layers moved to host memory, one array each (`pack`
+    gathers them once every weight is placed)."""
     weight = self.split_swapped(path, weight)
     if not isinstance(weight, Swapped):
       return weight
-    host = NamedSharding(self.mesh, P(), memory_kind="pinned_host")
-    return Swapped(weight.device, jax.device_put(weight.pinned_host, host))
+    return Swapped(weight.device, jax.device_put(weight.pinned_host, self.host_memory))
+
+  def pack(self, params):
+    """The frozen weights with each swapped stack's weights (`split_swapped`) in its final form,
+    one host buffer per layer (`layers.pack_layers`); jit-able. Called on placed weights, it
+    packs one layer at a time, so that the device holds one layer's copy at most."""
+    pack_layer = jax.jit(layer_bytes, out_shardings=self.host_memory)
+    return {name: pack_layers(tree, pack_layer) if name in dict(self.swap) else tree
+            for name, tree in params.items()}
+
+  @property
+  def host_memory(self):
+    return NamedSharding(self.mesh, P(), memory_kind="pinned_host")
 
 
 def swapped_layers(stack_layouts, blocks_to_swap: int) -> tuple:
