@@ -245,7 +245,8 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(flux_che
               if eqn.primitive.name == "device_put" and eqn.params["devices"] == (jax.memory.Space.Device,)]
     buffers = [h for s in swapped for h in s.pinned_host]
     assert len(copies) == 2 * len(buffers), (len(copies), len(buffers))
-  # one swapped layer at a time on the device (its buffer and its weights): not all of them
+  # one swapped layer at a time on the device (its buffer and its weights), not all of them
+  # (`swapped`, `buffers`: the last run's, 4 blocks)
   layer_bytes = max(h.nbytes for s in swapped for h in s.pinned_host)
   assert temps["block", 4] - temps["block", 0] < 2 * layer_bytes < sum(h.nbytes for h in buffers), temps
   loss, want = results["block", 0]

@@ -457,6 +457,7 @@ def fetch_ahead(layer, after, x, lora, args, host_buffer, weights, index):
 
 
 def fetch(host_buffer, like):
+  """One swapped layer's weights, copied from their host buffer (`like`: the stacked weights)."""
   return layer_from_bytes(to_device(host_buffer), like)
 
 
