@@ -395,7 +395,7 @@ def run_swapped(stack: Stack, x, args, key):
     ready = unit_inputs[j - 2] if j >= 2 else stack_input
     host, _ = jax.lax.optimization_barrier((stack.params.pinned_host[j], jax.lax.stop_gradient(ready)))
     after = functools.partial(run_resident, first=first + 1, end=end, swapped_before=j + 1)
-    lora = (jax.tree.map(lambda a: a[0], loras[first]), loras.get(first + 1) if end > first + 1 else None)
+    lora = (jax.tree.map(lambda a: a[0], loras[first]), loras[first + 1] if end > first + 1 else None)
     unit_inputs.append(x)
     x = fetch_ahead(layer, after, x, lora, args, host, resident, (first, None, key))
   return x

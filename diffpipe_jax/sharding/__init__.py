@@ -117,8 +117,7 @@ class Layout:
     one host buffer per layer (`layers.pack_layers`); jit-able. Called on placed weights, it
     packs one layer at a time, so that the device holds one layer's copy at most."""
     pack_layer = jax.jit(layer_bytes, out_shardings=self.host_memory)
-    return {name: pack_layers(tree, pack_layer) if name in dict(self.swap) else tree
-            for name, tree in params.items()}
+    return {**params, **{name: pack_layers(params[name], pack_layer) for name, _ in self.swap}}
 
   @property
   def host_memory(self):
