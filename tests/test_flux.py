@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffpipe_jax import models, tiny
+from diffpipe_jax import convert, models, tiny
 from diffpipe_jax.convert import CheckpointError, table
 from diffpipe_jax.models import flux
 
@@ -94,6 +94,26 @@ def test_bfloat16_params_and_compute(flux_checkpoints):
     ref = torch_forward(model, inputs)
     torch_bf16_err = rel_err(torch_forward(copy.deepcopy(model), inputs, torch.bfloat16), ref)
     assert rel_err(m(**inputs).astype(jnp.float32), ref) <= 1.5 * torch_bf16_err
+
+
+def test_loading_holds_the_stored_leaves_and_one_more(flux_checkpoints):
+  """Leaves come largest first, and when each is handed on (to float8 storage, say) nothing else
+  is in flight: its torch-layout copy is gone once it is transposed."""
+  import jax
+  fam = models.family("flux")
+  config, files, rows = convert.open_checkpoint(fam, flux_checkpoints["dev"]["diffusers"])
+  module = fam.make_module(config)
+  live = lambda: sum(a.nbytes for a in jax.live_arrays())
+  before, stored = live(), []
+
+  def finalize(path, value):
+    assert live() - before == sum(stored) + value.nbytes, path
+    stored.append(value.nbytes)
+    return {path: value}
+  convert.load_params(models.abstract_params(fam, module, config), fam, files, rows, np.float32,
+                      finalize=finalize, progress=False)
+  assert stored == sorted(stored, reverse=True) and len(stored) == len(table.flatten(
+      models.abstract_params(fam, module, config)))
 
 
 # ---- bad checkpoints ----------------------------------------------------------------------------

@@ -260,7 +260,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(flux_che
       mesh, flux, cfg, 1, swap)) for swap in (0, 4))
   assert len(split.params["transformer_blocks"].pinned_host) == 1
   inputs = flux.random_inputs(cfg, 1, 4, 4, 6)
-  np.testing.assert_allclose(split(**inputs), plain(**inputs), rtol=1e-5)
+  np.testing.assert_allclose(split(**inputs), plain(**inputs), rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="the model has 5 blocks"):
     sharding.make_layout(mesh, flux, cfg, 1, 6)
   with pytest.raises(ValueError, match="blocks_to_swap needs pipeline_stages=1"):

@@ -66,6 +66,13 @@ def flatten(tree: Mapping, prefix=()) -> Dict[Tuple[str, ...], object]:
   return out
 
 
+def largest_first(flat: Mapping[Tuple[str, ...], object]) -> List[Tuple[Tuple[str, ...], object]]:
+  """(path, leaf) pairs, the largest leaves first: loading or creating weights in this order,
+  a leaf's temporary copies (bfloat16 before float8, torch layout before transposing) come while
+  little else is on the device, and the peak stays near what the model finally takes."""
+  return sorted(flat.items(), key=lambda item: -item[1].size * item[1].dtype.itemsize)
+
+
 def unflatten(flat: Mapping[Tuple[str, ...], object]) -> dict:
   out = {}
   for path, v in flat.items():
@@ -195,18 +202,22 @@ def read_tensor(files, source) -> np.ndarray:
 
 
 def load_leaves(abstract: Mapping, stacked: Sequence[str], files, sources, dtype, put):
-  """Yields (path, array) for every leaf: its layers are copied from the memory-mapped files into
-  one preallocated host buffer of the target dtype, in torch layout (contiguous copies), which
-  `put(path, buffer)` places (e.g. on a mesh) before the next leaf is read; kernels are then transposed
-  on the device. Host memory holds one leaf at a time beside the file's page cache."""
-  for path, leaf in flatten(abstract).items():
+  """Yields (path, array) for every leaf, largest first: its layers are copied from the
+  memory-mapped files into one preallocated host buffer of the target dtype, in torch layout
+  (contiguous copies), which `put(path, buffer)` places (e.g. on a mesh) before the next leaf is
+  read; kernels are then transposed on the device. Host memory holds one leaf at a time beside
+  the file's page cache; the device, one leaf's torch-layout copy beside what is loaded."""
+  for path, leaf in largest_first(flatten(abstract)):
     torch_shape = leaf.shape[:-2] + leaf.shape[:-3:-1] if path[-1] == "kernel" else leaf.shape
     buf = np.empty(torch_shape, dtype)
     for i in range(leaf.shape[0]) if is_stacked(path, stacked) else [None]:
       buf[... if i is None else i] = read_tensor(files, sources[diffusers_key(path, i)])
     value = put(path, buf)
     del buf
-    yield path, _swap_last_axes(value) if path[-1] == "kernel" else value
+    if path[-1] == "kernel":
+      value = _swap_last_axes(value)  # the torch-layout copy is freed, not kept beside it
+    yield path, value
+    del value  # before the next leaf is placed
 
 
 @jax.jit

@@ -6,6 +6,7 @@ stacked block groups (`STACKED`) and its single-file conversion table. Adding a 
 file and a row here.
 """
 import dataclasses
+import functools
 import importlib
 from typing import Any, Optional
 
@@ -101,6 +102,18 @@ def checkpoint_config(name: str, path: str, axes_dims_rope=None):
   return convert.open_checkpoint(family(name), path, axes_dims_rope)[0]
 
 
+def _placement(fam, transformer_dtype, layout):
+  """(put, finalize) for leaves made one at a time (`convert.load_params`' hooks): `put` places a
+  weight (default: the default device), `finalize` gives its storage dtype, then the layout's
+  swap (float8 is swapped too)."""
+  storage = storage_finalizer(fam, transformer_dtype) or (lambda path, value: {path: value})
+
+  def finalize(path, value):
+    leaves = storage(path, value)
+    return leaves if layout is None else {p: layout.settle(p, v) for p, v in leaves.items()}
+  return (layout.put if layout is not None else lambda path, x: jax.device_put(x)), finalize
+
+
 def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
          attention_impl: Optional[str] = "auto", remat="none", scan_layers=True, axes_dims_rope=None,
          layout=None, progress=True) -> Model:
@@ -118,30 +131,33 @@ def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_
   fam = family(name)
   config, files, rows = convert.open_checkpoint(fam, path, axes_dims_rope)
   module = _module(fam, config, dtype, param_dtype, attention_impl, remat, scan_layers)
-  storage = storage_finalizer(fam, transformer_dtype) or (lambda path, value: {path: value})
-
-  def finalize(path, value):  # storage dtype first, then the layout's swap (float8 is swapped too)
-    leaves = storage(path, value)
-    return leaves if layout is None else {p: layout.settle(p, v) for p, v in leaves.items()}
-  put = layout.put if layout is not None else lambda path, x: jax.device_put(x)
+  put, finalize = _placement(fam, transformer_dtype, layout)
   params = convert.load_params(abstract_params(fam, module, config), fam, files, rows,
                                param_dtype or dtype, put=put, finalize=finalize, progress=progress)
   return Model(fam, config, module, params if layout is None else layout.pack(params))
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def random_weight(name, shape, dtype, key):
+  """A stand-in for a trained weight (flax's default init): kernels normal with variance
+  1/fan_in, biases zero, norm weights one."""
+  if name == "kernel":
+    return (jax.random.normal(key, shape, jnp.float32) * shape[-2] ** -0.5).astype(dtype)
+  return (jnp.zeros if name == "bias" else jnp.ones)(shape, dtype)
+
+
 def init_random(name: str, config, key, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
                 attention_impl: Optional[str] = "auto", remat="none", scan_layers=True,
                 layout=None) -> Model:
-  """A randomly initialised model of the given family config (benchmarks, full-size shapes),
-  created directly in `layout` (a sharding.Layout) when one is given."""
+  """A model of random weights (`random_weight`) of a family config (benchmarks, full-size
+  shapes), made, stored and placed as `load` does a checkpoint's: one leaf at a time, largest
+  first, so that the device never holds a whole high-precision copy beside the float8 one."""
   fam = family(name)
   module = _module(fam, config, dtype, param_dtype, attention_impl, remat, scan_layers)
-  finalize = storage_finalizer(fam, transformer_dtype) or (lambda path, value: {path: value})
-
-  def init(key):  # storage conversion inside the jit: no full high-precision copy outlives it
-    flat = {}
-    for path, value in table.flatten(module.init(key, **fam.random_inputs(config))["params"]).items():
-      flat.update(finalize(path, value))
-    return table.unflatten(flat)
-  params = jax.jit(init)(key) if layout is None else layout.create(init, key, weights=True)
-  return Model(fam, config, module, params)
+  put, finalize = _placement(fam, transformer_dtype, layout)
+  flat = {}
+  for n, (path, leaf) in enumerate(table.largest_first(table.flatten(abstract_params(fam, module, config)))):
+    weight = random_weight(path[-1], leaf.shape, leaf.dtype, jax.random.fold_in(key, n))
+    flat.update(finalize(path, put(path, weight)))
+  params = table.unflatten(flat)
+  return Model(fam, config, module, params if layout is None else layout.pack(params))

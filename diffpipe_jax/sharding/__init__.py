@@ -81,18 +81,10 @@ class Layout:
     """This layout -> the plain layer layout that checkpoints and exports use."""
     return tree if self.plan is None else pipeline_lib.map_stacked(self.plan.to_layers, tree, self.stacked)
 
-  def split_swapped(self, path, weight):
-    """A frozen weight, `Swapped` when its stack has layers in host memory (jit-able)."""
-    layers = dict(self.swap).get(pipeline_lib.is_stacked_path(path, self.stacked), 0)
-    return split_layers(weight, layers) if layers else weight
-
-  def create(self, fn, *args, weights=False):
+  def create(self, fn, *args):
     """fn(*args), a tree in the plain layer layout, computed by one jit straight into this
-    layout's shardings (no device holds more than its share); `weights`: the frozen weights,
-    swapped blocks included."""
-    def staged(*a):
-      tree = self.to_stages(fn(*a))
-      return self.pack(jax.tree_util.tree_map_with_path(self.split_swapped, tree)) if weights else tree
+    layout's shardings (no device holds more than its share)."""
+    staged = lambda *a: self.to_stages(fn(*a))
     return jax.jit(staged, out_shardings=self.shardings(jax.eval_shape(staged, *args)))(*args)
 
   def put(self, path, host_array):
@@ -105,17 +97,18 @@ class Layout:
     return jax.device_put(host_array, NamedSharding(self.mesh, spec))
 
   def settle(self, path, weight):
-    """A placed frozen weight: its swapped layers moved to host memory, one array each (`pack`
-    gathers them once every weight is placed)."""
-    weight = self.split_swapped(path, weight)
-    if not isinstance(weight, Swapped):
+    """A placed frozen weight; in a stack with swapped layers, `Swapped`: its swapped layers moved
+    to host memory, one array each (`pack` gathers them once every weight is placed)."""
+    layers = dict(self.swap).get(pipeline_lib.is_stacked_path(path, self.stacked), 0)
+    if not layers:
       return weight
-    return Swapped(weight.device, jax.device_put(weight.pinned_host, self.host_memory))
+    split = split_layers(weight, layers)
+    return Swapped(split.device, jax.device_put(split.pinned_host, self.host_memory))
 
   def pack(self, params):
-    """The frozen weights with each swapped stack's weights (`split_swapped`) in its final form,
-    one host buffer per layer (`layers.pack_layers`); jit-able. Called on placed weights, it
-    packs one layer at a time, so that the device holds one layer's copy at most."""
+    """The placed frozen weights with each swapped stack's weights (`settle`d) in their final
+    form, one host buffer per layer (`layers.pack_layers`), packed one layer at a time, so that
+    the device holds one layer's copy at most."""
     pack_layer = jax.jit(layer_bytes, out_shardings=self.host_memory)
     return {**params, **{name: pack_layers(params[name], pack_layer) for name, _ in self.swap}}
 
