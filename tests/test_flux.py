@@ -102,7 +102,7 @@ def test_loading_holds_the_stored_leaves_and_one_more(flux_checkpoints):
   import jax
   fam = models.family("flux")
   config, files, rows = convert.open_checkpoint(fam, flux_checkpoints["dev"]["diffusers"])
-  module = fam.make_module(config)
+  abstract = models.abstract_params(fam, fam.make_module(config), config)
   live = lambda: sum(a.nbytes for a in jax.live_arrays())
   before, stored = live(), []
 
@@ -110,10 +110,8 @@ def test_loading_holds_the_stored_leaves_and_one_more(flux_checkpoints):
     assert live() - before == sum(stored) + value.nbytes, path
     stored.append(value.nbytes)
     return {path: value}
-  convert.load_params(models.abstract_params(fam, module, config), fam, files, rows, np.float32,
-                      finalize=finalize, progress=False)
-  assert stored == sorted(stored, reverse=True) and len(stored) == len(table.flatten(
-      models.abstract_params(fam, module, config)))
+  convert.load_params(abstract, fam, files, rows, np.float32, finalize=finalize, progress=False)
+  assert stored == sorted(stored, reverse=True) and len(stored) == len(table.flatten(abstract))
 
 
 # ---- bad checkpoints ----------------------------------------------------------------------------

@@ -276,6 +276,7 @@ def pack_layers(stack, pack_layer):
 
 
 def to_device(tree):
+  """The tree's arrays in device memory (a copy from host memory where they are there)."""
   return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), tree)
 
 
