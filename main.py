@@ -37,6 +37,14 @@ flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of proce
 flags.DEFINE_integer("num_processes", None, "multi-host: number of processes (one per host)")
 flags.DEFINE_integer("process_id", None, "multi-host: this process's index")
 FLAGS = flags.FLAGS
+COMPILATION_CACHE_BYTES = 16 * 2**30  # beyond this, the least recently used programs go
+
+
+def use_compilation_cache(directory: str):
+  """Keeps compiled programs in `directory` (unless JAX_COMPILATION_CACHE_DIR names another)."""
+  if directory and jax.config.jax_compilation_cache_dir is None:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
 
 
 def prepare_paths(config):
@@ -97,6 +105,7 @@ def main(argv):
   if config is None:
     raise app.UsageError("pass --config configs/flux.py[:variant]")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  use_compilation_cache(config.compilation_cache_dir)
 
   # ---------------------------------------------------------------- mesh
   if FLAGS.multihost or FLAGS.coordinator_address:
@@ -154,7 +163,7 @@ def main(argv):
   # ---------------------------------------------------------------- model (frozen), on the mesh
   try:
     layout = sharding.make_layout(mesh, family, models.checkpoint_config(config.model.type, path),
-                                  accum, config.blocks_to_swap)
+                                  accum, config.blocks_to_swap, config.scan_layers)
     if layout.plan is not None:
       print(layout.plan.describe())
     if layout.swap:

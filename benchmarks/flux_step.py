@@ -3,6 +3,8 @@ device layouts, beside the PyTorch peer, in one call.
 
   python benchmarks/flux_step.py --peer ../shared/bench/peer_torch_flux.py
   python benchmarks/flux_step.py --modes "per-block remat" --layouts 1x1,2x1,1x2 --microbatches 8
+  python benchmarks/flux_step.py --modes "no remat (unrolled),per-block remat,fp8 base + per-block remat" \
+      --blocks_to_swap 0,14,4   # issue 6's table
 
 Full FLUX.1-dev shape with random weights, LoRA rank 32 on every block Linear (float32), AdamW,
 bf16 compute, 1024x1024 (4096 image + 512 text tokens), one sample per micro-batch and
@@ -57,7 +59,7 @@ def run_mode(a, mode, layout_name):
   if len(devices) < data * stages:
     raise SystemExit(f"layout {layout_name} needs {data * stages} devices, {len(devices)} visible")
   layout = sharding.make_layout(sharding.make_mesh(stages, devices), flux, cfg, a.microbatches,
-                                a.blocks_to_swap,
+                                int(a.blocks_to_swap), MODES[mode].get("scan_layers", True),
                                 **({"tick_overhead": a.tick_overhead} if a.tick_overhead else {}))
   if layout.plan:
     print(layout.plan.describe(), file=sys.stderr)
@@ -125,8 +127,9 @@ def main():
                  help="micro-batches a step (gradient accumulation; the pipeline's microbatches)")
   p.add_argument("--tick_overhead", type=float, help="the pipeline plan's per-tick cost (layers)")
   p.add_argument("--profile", default="", help="a folder: also trace two steps of each run there")
-  p.add_argument("--blocks_to_swap", type=int, default=0,
-                 help="N blocks' frozen weights (single blocks first, spread evenly) in pinned host memory (one stage only)")
+  p.add_argument("--blocks_to_swap", default="0",
+                 help="N blocks' frozen weights (single blocks first, spread evenly) in pinned host "
+                      "memory (one stage only): one N for every mode, or one per mode, comma-separated")
   p.add_argument("--run", help=argparse.SUPPRESS)  # mode@layout, in a subprocess of its own
   p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: tests the script")
   a = p.parse_args()
@@ -141,11 +144,14 @@ def main():
   common = [sys.executable, os.path.abspath(__file__), "--res", str(a.res), "--txt", str(a.txt),
             "--rank", str(a.rank), "--steps", str(a.steps), "--microbatches", str(a.microbatches)]
   common += ["--profile", os.path.abspath(a.profile)] if a.profile else []
-  common += ["--blocks_to_swap", str(a.blocks_to_swap)]
   common += ["--tick_overhead", str(a.tick_overhead)] if a.tick_overhead else []
   common += ["--smoke"] if a.smoke else []
-  layouts = a.layouts.split(",")
-  ours = {(m, l): sub(common + ["--run", f"{m}@{l}"], env) for m in a.modes.split(",") for l in layouts}
+  layouts, modes, swaps = a.layouts.split(","), a.modes.split(","), a.blocks_to_swap.split(",")
+  swaps = swaps * len(modes) if len(swaps) == 1 else swaps
+  if len(swaps) != len(modes):
+    p.error(f"--blocks_to_swap: one number, or one per mode ({len(modes)}); got {a.blocks_to_swap!r}")
+  ours = {(m, int(n), l): sub(common + ["--blocks_to_swap", n, "--run", f"{m}@{l}"], env)
+          for m, n in zip(modes, swaps) for l in layouts}
   peer = {}
   for ckpt in (0, 1) if a.peer else ():
     peer[ckpt] = sub([sys.executable, a.peer, "--res", str(a.res), "--txt", str(a.txt),
@@ -155,27 +161,26 @@ def main():
   first = next(iter(ours.values()))
   print(f"Flux LoRA r{a.rank} step, {'smoke' if a.smoke else 'FLUX.1-dev shape'}, {a.res}^2 "
         f"({tokens} tokens), bf16, AdamW, {a.microbatches} micro-batch(es) of 1 per data replica, "
-        f"{a.blocks_to_swap} blocks swapped to host memory; "
         f"{first['device']}, jax {first['jax']}; useful {flop / 1e12:.1f} TFLOP/sample")
-  print("| mode | implementation | data x stage | step (s, median) | samples/s | vs 1 GPU | "
+  print("| mode | blocks swapped | implementation | data x stage | step (s, median) | samples/s | vs 1 GPU | "
         "peak memory / GPU (GiB) | step's peak (GiB) | weights + state / GPU (GiB) | TFLOP/s / GPU | "
         "of 810 | bubble (theory) | compile (s) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   rows = []
-  for (mode, layout), r in ours.items():
+  for (mode, swapped, layout), r in ours.items():
     gpus = np.prod([int(n) for n in layout.split("x")])
-    one = ours.get((mode, "1x1"))
-    rows.append((mode, "diffpipe-jax", layout, r["step_s"], r["samples_per_s"],
+    one = ours.get((mode, swapped, "1x1"))
+    rows.append((mode, swapped, "diffpipe-jax", layout, r["step_s"], r["samples_per_s"],
                  r["samples_per_s"] / one["samples_per_s"] if one else float("nan"), r["peak_gib"],
                  r["step_peak_gib"], r["resident_gib"], flop * r["samples_per_s"] / gpus / 1e12,
                  r["bubble"], r["compile_s"]))
   for c, r in peer.items():
-    rows.append((("no remat", "per-block remat")[c], "PyTorch peer", "1x1", r["step_s_median"],
+    rows.append((("no remat", "per-block remat")[c], 0, "PyTorch peer", "1x1", r["step_s_median"],
                  1 / r["step_s_median"], float("nan"), r["peak_mem_gib"], float("nan"), float("nan"),
                  flop / r["step_s_median"] / 1e12, 0.0, float("nan")))
-  for mode, impl, layout, step_s, rate, speedup, peak, step_peak, resident, tflops, bubble, compile_s in sorted(
-      rows, key=lambda r: (list(MODES).index(r[0]), r[2])):
-    print(f"| {mode} | {impl} | {layout} | {step_s:.3f} | {rate:.2f} | {speedup:.2f}x | {peak:.2f} | "
+  for mode, swapped, impl, layout, step_s, rate, speedup, peak, step_peak, resident, tflops, bubble, compile_s in sorted(
+      rows, key=lambda r: (list(MODES).index(r[0]), r[1], r[3])):
+    print(f"| {mode} | {swapped} | {impl} | {layout} | {step_s:.3f} | {rate:.2f} | {speedup:.2f}x | {peak:.2f} | "
           f"{step_peak:.2f} | {resident:.2f} | {tflops:.0f} | {tflops / CEILING_TFLOPS:.0%} | "
           f"{bubble:.1%} | {compile_s:.0f} |")
 

@@ -18,7 +18,9 @@ from diffpipe_jax.models import flux  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
 import flux as flux_configs  # noqa: E402
 
-LAYOUTS = ((2, 1), (8, 1), (1, 2), (2, 2), (1, 4), (2, 4), (1, 8))  # (data, stage)
+# (data, stage, scan_layers): unrolled, every stacked leaf is stored per layer
+LAYOUTS = ((2, 1, True), (8, 1, False), (1, 2, True), (2, 2, True), (1, 4, True), (2, 4, True),
+           (1, 8, True))
 
 
 def batches_for(cfg, step, mesh, batch=32, accum=4):
@@ -27,11 +29,12 @@ def batches_for(cfg, step, mesh, batch=32, accum=4):
   return sharding.global_batch(mesh, local)
 
 
-def run(path, config, data, stages, steps=3, accum=4):
+def run(path, config, data, stages, scan_layers=True, steps=3, accum=4):
   """(step-0 loss, step-0 LoRA gradients, losses of `steps` updates, final LoRA), plain layout."""
   mesh = sharding.make_mesh(stages, jax.devices()[:data * stages])
-  layout = sharding.make_layout(mesh, flux, models.checkpoint_config("flux", path), accum)
-  model = models.load("flux", path, layout=layout, progress=False)
+  layout = sharding.make_layout(mesh, flux, models.checkpoint_config("flux", path), accum,
+                                scan_layers=scan_layers)
+  model = models.load("flux", path, layout=layout, scan_layers=scan_layers, progress=False)
   tx, _ = optim.make(config, steps)
   layer_params = models.abstract_params(flux, model.module, model.config)
   adapter = lora.init(layer_params, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
@@ -55,8 +58,8 @@ def main(path):
   config = flux_configs.get_config("tiny")
   rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
   ref_loss, ref_grads, ref_losses, ref_lora, _ = run(path, config, 1, 1)
-  for data, stages in LAYOUTS:
-    loss, grads, losses, adapter, layout = run(path, config, data, stages)
+  for data, stages, scan_layers in LAYOUTS:
+    loss, grads, losses, adapter, layout = run(path, config, data, stages, scan_layers)
     if layout.plan is not None:
       print(layout.plan.describe())
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
@@ -65,7 +68,7 @@ def main(path):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(adapter), jax.tree.leaves(ref_lora)):
       assert rel(a, b) <= 1e-5, rel(a, b)  # Adam amplifies noise of near-zero gradients elementwise
-    print(f"(data, stage) = ({data}, {stages}): loss, gradients and losses {losses} match one device")
+    print(f"(data, stage) = ({data}, {stages}){'' if scan_layers else ', unrolled'}: loss, gradients and losses {losses} match one device")
   print("ok")
 
 

@@ -30,9 +30,12 @@ def tiny_config(**overrides):
   return config
 
 
-def run_main(tmp_path, *args, output="out", devices=1):
-  """main.py on the tiny variant, its model and images generated under tmp_path."""
+def run_main(tmp_path, *args, output="out", devices=1, shared_compilation_cache=True):
+  """main.py on the tiny variant, its model and images generated under tmp_path; compiled
+  programs in the test session's cache (conftest.py), or else where the config says."""
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  if not shared_compilation_cache:
+    del env["JAX_COMPILATION_CACHE_DIR"]
   return subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "--config",
                          os.path.join(ROOT, "configs", "flux.py") + ":tiny",
                          f"--config.output_dir={tmp_path}/{output}", *args],
@@ -126,12 +129,14 @@ def test_resume_gives_the_same_run(tmp_path):
   for k in final_a:
     np.testing.assert_allclose(final_b[k], final_a[k], rtol=1e-5, atol=1e-3 * np.abs(final_a[k]).max())
 
-  # Layouts: 5 steps on a 2-stage pipeline, resumed on 2 data-parallel devices (same global batch).
+  # Layouts: 5 steps on a 2-stage pipeline, resumed on 2 data-parallel devices (same global batch),
   half = run_main(tmp_path, "--config.max_steps=5", "--config.pipeline_stages=2", *args, output="c",
                   devices=2)
   assert half.returncode == 0 and "stage 1: transformer_blocks 1" in half.stdout, half.stdout
+  # ... with the layers unrolled (every stacked leaf stored per layer)
   resumed = run_main(tmp_path, "--resume_from_checkpoint", "--config.micro_batch_size_per_gpu=1",
-                     *args, output="c", devices=2)
+                     "--config.scan_layers=False", "--config.activation_checkpointing=none", *args,
+                     output="c", devices=2)
   assert resumed.returncode == 0 and "'data': 2" in resumed.stdout, resumed.stdout
   (run_c,) = glob.glob(str(tmp_path / "c" / "*"))
   np.testing.assert_allclose([m["loss"] for m in read_metrics(run_c)], losses_a, rtol=1e-5)
@@ -147,9 +152,11 @@ def test_config_typo_is_a_clear_error(tmp_path):
 
 
 def test_non_finite_loss_stops_with_a_message(tmp_path):
-  out = run_main(tmp_path, "--config.model.guidance=nan", "--config.epochs=1")
+  out = run_main(tmp_path, "--config.model.guidance=nan", "--config.epochs=1",
+                 "--config.compilation_cache_dir=xla", shared_compilation_cache=False)
   assert out.returncode != 0
   assert "non-finite loss" in out.stdout and "last good checkpoint" in out.stdout, out.stdout
+  assert os.listdir(tmp_path / "xla"), "the compiled programs were not kept"
 
 
 def test_float8_base_tracks_full_precision(flux_checkpoints):
@@ -183,23 +190,37 @@ def host_copies(jaxpr):
 def test_remat_policies_and_unrolled_layers_give_the_same_gradients(flux_checkpoints):
   """Each activation_checkpointing value in a scan, and no remat unrolled, against no remat in a
   scan: same loss and gradients. Remat must shrink the temporaries, and "block_offload" must send
-  each block's input [B, T + L, D] to host memory."""
-  model = models.load("flux", flux_checkpoints["dev"]["diffusers"], progress=False)
+  each block's input [B, T + L, D] to host memory. Unrolled, the layout stores every stacked
+  leaf per layer, so that no stacked weight or LoRA (nor a slice of one) is in the program."""
+  path = flux_checkpoints["dev"]["diffusers"]
+  model = models.load("flux", path, progress=False)
   batch = flux.random_batch(model.config, 2, 4, 4, 6)
   adapter = lora.init(model.params, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
   adapter = jax.tree.map(lambda a: a + 0.01, adapter)  # B != 0: every gradient is nonzero
-  args = (adapter, model.params, jax.tree.map(lambda x: x[None], batch),
-          jax.random.split(jax.random.key(1), 1))
+  inputs = (jax.tree.map(lambda x: x[None], batch), jax.random.split(jax.random.key(1), 1))
+  unrolled = sharding.make_layout(sharding.make_mesh(1), flux, model.config, 1, scan_layers=False)
+  stacked_shapes = {a.shape for n in flux.STACKED for a in jax.tree.leaves((model.params[n], adapter[n]))
+                    if a.ndim >= 3}  # the kernels and LoRA matrices
   results, temp_bytes = {}, {}
   for remat, scan_layers in [(r, True) for r in models.REMAT_POLICIES] + [("none", False)]:
-    module = model.module.clone(remat=models.REMAT_POLICIES[remat], scan_layers=scan_layers)
-    grads = train.grad_fn(dataclasses.replace(model, module=module), tiny_config())
+    if scan_layers:
+      run = dataclasses.replace(model, module=model.module.clone(remat=models.REMAT_POLICIES[remat]))
+      args = (adapter, model.params, *inputs)
+    else:
+      run = models.load("flux", path, scan_layers=False, layout=unrolled, progress=False)
+      args = (unrolled.to_stages(adapter), run.params, *inputs)
+    grads = train.grad_fn(run, tiny_config())
     compiled = jax.jit(grads).lower(*args).compile()
-    results[remat, scan_layers] = compiled(*args)
+    loss, g = compiled(*args)
+    results[remat, scan_layers] = loss, unrolled.to_layers(g)
     temp_bytes[remat, scan_layers] = compiled.memory_analysis().temp_size_in_bytes
-    offloaded = host_copies(jax.make_jaxpr(grads)(*args).jaxpr)
+    jaxpr = jax.make_jaxpr(grads)(*args).jaxpr
+    offloaded = host_copies(jaxpr)
     assert (remat == "block_offload") == bool(offloaded), remat
     assert all(a.shape == (2, 6 + 16, model.config.inner_dim) for a in offloaded)
+    stacked = [v.aval.shape for eqn in equations(jaxpr) for v in eqn.invars
+               if getattr(v.aval, "shape", None) in stacked_shapes]
+    assert bool(stacked) == scan_layers, (remat, scan_layers, stacked)
   assert temp_bytes["block", True] < temp_bytes["none", True] / 2, temp_bytes
   loss, want = results["none", True]
   for key, (value, got) in results.items():
@@ -207,8 +228,7 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(flux_checkpo
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max()), key
   with pytest.raises(ValueError, match="scan_layers=False"):
-    models.load("flux", flux_checkpoints["dev"]["diffusers"], remat="block", scan_layers=False,
-                progress=False)
+    models.load("flux", path, remat="block", scan_layers=False, progress=False)
 
 
 def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(flux_checkpoints):

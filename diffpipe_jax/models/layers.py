@@ -239,6 +239,37 @@ class Swapped:
   pinned_host: tuple
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerArrays:
+  """A stacked leaf [length, ...] stored as one array per layer (`scan_layers=False`). Each
+  layer's matmuls then read their operands in place, as arguments of the step, and every layer
+  runs the same programs: a static slice of a stacked weight fuses into the matmul that reads
+  it, making each layer's matmul a program of its own, autotuned on its own (at Flux size,
+  90 s more of compile)."""
+  arrays: tuple
+
+
+def is_layer_arrays(leaf) -> bool:
+  return isinstance(leaf, LayerArrays)
+
+
+def unstack(leaf) -> LayerArrays:
+  return LayerArrays(tuple(leaf[i] for i in range(leaf.shape[0])))
+
+
+def restack(tree):
+  """The inverse of `unstack`, on every `LayerArrays` of a tree."""
+  return jax.tree.map(lambda a: jnp.stack(a.arrays) if is_layer_arrays(a) else a, tree,
+                      is_leaf=is_layer_arrays)
+
+
+def layer_of(tree, i: int):
+  """Layer i of a stack's tree of stacked arrays or `LayerArrays`."""
+  return jax.tree.map(lambda a: a.arrays[i] if is_layer_arrays(a) else a[i], tree,
+                      is_leaf=is_layer_arrays)
+
+
 def swap_positions(length: int, swapped: int) -> tuple:
   """The layers of a stack of `length` whose weights live in host memory when `swapped` of them
   do: spread evenly, so that each one's copy overlaps the resident layers computed before it."""
@@ -318,9 +349,10 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
   policy `remat` (None: no rematerialisation).
 
   The whole stack: the stacked weights are the scan's xs, which the backward pass reads in place.
-  With `scan=False` (no remat only) a Python loop instead: one program per layer, so compiling
-  takes far longer, but each layer's residuals are buffers of their own rather than slices of
-  stacked ones that the scan fills and copies back out (at full Flux size, 15% of the step).
+  With `scan=False` (no remat only) a Python loop instead: a program of every layer, which
+  takes minutes to compile at Flux size, but each layer's residuals are buffers of their own
+  rather than slices of stacked ones that the scan fills and copies back out (at full Flux size,
+  18% of the step); its weights and LoRA are best stored per layer (`LayerArrays`).
   A chunk (`count` layers from layer `start`, the pipeline's): each layer slices its weights
   inside a checkpoint that never saves the slice, so the backward pass slices again instead of
   keeping a stacked copy; where `valid[i]` is False, layer i passes x on unchanged (padding of
@@ -347,9 +379,12 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
   if not scan:
     # Unrolled, XLA is free to schedule a remat's recomputation early, saving nothing.
     assert remat is None, "unrolled layers: no remat"
+    apply = jax.jit(apply)  # traced and lowered once for all the stack's layers
     for i in range(stack.length):
-      x = apply(x, *jax.tree.map(lambda a: a[i], (stack.params, stack.lora)), i)
+      x = apply(x, *layer_of((stack.params, stack.lora), i), i)
     return x
+  assert not any(map(is_layer_arrays, jax.tree.leaves(stack.params, is_leaf=is_layer_arrays))), (
+      "weights stored per layer (a layout of scan_layers=False) run unrolled: scan_layers=False")
   run = apply if remat is None else jax.checkpoint(apply, prevent_cse=False, policy=remat)
   layer = lambda x, xs: (run(x, *xs), None)
   return jax.lax.scan(layer, x, (stack.params, stack.lora, jnp.arange(stack.length)))[0]

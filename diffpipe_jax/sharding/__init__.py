@@ -5,7 +5,8 @@ over it, so XLA all-reduces the LoRA gradients. Pipeline parallelism (stages > 1
 `pipeline.py`): the block stacks' weights, LoRA and Adam moments are stored per stage, sharded
 over 'stage'; everything else (embedders, final layers) is replicated. Block swapping (one
 stage): the frozen weights of `blocks_to_swap` blocks, spread evenly over the last stacks, live
-in pinned host memory.
+in pinned host memory. Layers unrolled (`scan_layers=False`, one stage): every stacked leaf
+(weights, LoRA, Adam moments) is stored one array per layer (`layers.LayerArrays`).
 """
 import dataclasses
 import re
@@ -15,7 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diffpipe_jax.models.layers import SWAP_NEEDS_ONE_STAGE, Swapped, layer_bytes, pack_layers, split_layers
+from diffpipe_jax.models.layers import (SWAP_NEEDS_ONE_STAGE, Swapped, layer_bytes, pack_layers, restack,
+                                       split_layers, unstack)
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 
 AXES = ("data", "stage")
@@ -65,6 +67,7 @@ class Layout:
   stacked: tuple
   plan: Optional[pipeline_lib.Plan] = None
   swap: tuple = ()  # ((stack name, how many of its layers live in pinned host memory), ...)
+  per_layer: bool = False  # stacked leaves stored one array per layer (layers unrolled)
 
   @property
   def pipeline(self) -> Optional[pipeline_lib.Pipeline]:
@@ -74,11 +77,15 @@ class Layout:
     return tree_shardings(self.mesh, tree, param_rules(self.stacked, self.plan is not None))
 
   def to_stages(self, tree):
-    """Plain layer layout -> this layout (identity without a pipeline); jit-able."""
+    """Plain layer layout -> this layout (identity without a pipeline or `per_layer`); jit-able."""
+    if self.per_layer:
+      return pipeline_lib.map_stacked(lambda name, leaf: unstack(leaf), tree, self.stacked)
     return tree if self.plan is None else pipeline_lib.map_stacked(self.plan.to_stages, tree, self.stacked)
 
   def to_layers(self, tree):
     """This layout -> the plain layer layout that checkpoints and exports use."""
+    if self.per_layer:
+      return restack(tree)
     return tree if self.plan is None else pipeline_lib.map_stacked(self.plan.to_layers, tree, self.stacked)
 
   def create(self, fn, *args):
@@ -98,8 +105,12 @@ class Layout:
 
   def settle(self, path, weight):
     """A placed frozen weight; in a stack with swapped layers, `Swapped`: its swapped layers moved
-    to host memory, one array each (`pack` gathers them once every weight is placed)."""
-    layers = dict(self.swap).get(pipeline_lib.is_stacked_path(path, self.stacked), 0)
+    to host memory, one array each (`pack` gathers them once every weight is placed); stacked and
+    `per_layer`, one array per layer."""
+    name = pipeline_lib.is_stacked_path(path, self.stacked)
+    if self.per_layer and name is not None:
+      return unstack(weight)
+    layers = dict(self.swap).get(name, 0)
     if not layers:
       return weight
     split = split_layers(weight, layers)
@@ -132,10 +143,11 @@ def swapped_layers(stack_layouts, blocks_to_swap: int) -> tuple:
 
 
 def make_layout(mesh: Mesh, family, model_config, microbatches: int, blocks_to_swap: int = 0,
-                **plan_options) -> Layout:
+                scan_layers: bool = True, **plan_options) -> Layout:
   """The layout on `mesh`; with more than one stage, the pipeline plan for the family's block
   stacks (`plan.describe()` prints it) and `microbatches` microbatches a step; on one stage,
-  the frozen weights of `blocks_to_swap` blocks in pinned host memory."""
+  the frozen weights of `blocks_to_swap` blocks in pinned host memory, or with the layers
+  unrolled (`scan_layers=False`, see `models.remat_policy`), every stacked leaf per layer."""
   plan = None
   if mesh.shape["stage"] > 1:
     if blocks_to_swap:
@@ -143,7 +155,7 @@ def make_layout(mesh: Mesh, family, model_config, microbatches: int, blocks_to_s
     plan = pipeline_lib.make_plan(family.stack_layouts(model_config), mesh.shape["stage"],
                                   microbatches, **plan_options)
   swap = swapped_layers(family.stack_layouts(model_config), blocks_to_swap)
-  return Layout(mesh, tuple(family.STACKED), plan, swap)
+  return Layout(mesh, tuple(family.STACKED), plan, swap, per_layer=not scan_layers)
 
 
 def global_batch(mesh: Mesh, local_batch, batch_axis: int = 1):
