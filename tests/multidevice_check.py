@@ -18,9 +18,9 @@ from diffpipe_jax.models import flux  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
 import flux as flux_configs  # noqa: E402
 
-# (data, stage, scan_layers): unrolled, every stacked leaf is stored per layer
-LAYOUTS = ((2, 1, True), (8, 1, False), (1, 2, True), (2, 2, True), (1, 4, True), (2, 4, True),
-           (1, 8, True))
+# (data, stage, scan_layers): data parallel, unrolled (every stacked leaf stored per layer),
+# pipelines of 2, 4 (with data parallelism) and 8 stages
+LAYOUTS = ((2, 1, True), (8, 1, False), (1, 2, True), (2, 4, True), (1, 8, True))
 
 
 def batches_for(cfg, step, mesh, batch=32, accum=4):
