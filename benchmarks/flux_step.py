@@ -41,7 +41,7 @@ def useful_flop(blocks, dim, tokens):
   return 2 * mm_fwd + 3 * blocks * 4 * tokens * tokens * dim
 
 
-def run_mode(a, mode, layout_name):
+def run_mode(a, mode, layout_name, blocks_to_swap):
   import jax
   import jax.numpy as jnp
   sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -59,7 +59,7 @@ def run_mode(a, mode, layout_name):
   if len(devices) < data * stages:
     raise SystemExit(f"layout {layout_name} needs {data * stages} devices, {len(devices)} visible")
   layout = sharding.make_layout(sharding.make_mesh(stages, devices), flux, cfg, a.microbatches,
-                                int(a.blocks_to_swap), MODES[mode].get("scan_layers", True),
+                                int(blocks_to_swap), MODES[mode].get("scan_layers", True),
                                 **({"tick_overhead": a.tick_overhead} if a.tick_overhead else {}))
   if layout.plan:
     print(layout.plan.describe(), file=sys.stderr)
@@ -130,7 +130,7 @@ def main():
   p.add_argument("--blocks_to_swap", default="0",
                  help="N blocks' frozen weights (single blocks first, spread evenly) in pinned host "
                       "memory (one stage only): one N for every mode, or one per mode, comma-separated")
-  p.add_argument("--run", help=argparse.SUPPRESS)  # mode@layout, in a subprocess of its own
+  p.add_argument("--run", help=argparse.SUPPRESS)  # mode@layout@blocks_to_swap, in a subprocess of its own
   p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: tests the script")
   a = p.parse_args()
   if a.smoke:
@@ -150,7 +150,7 @@ def main():
   swaps = swaps * len(modes) if len(swaps) == 1 else swaps
   if len(swaps) != len(modes):
     p.error(f"--blocks_to_swap: one number, or one per mode ({len(modes)}); got {a.blocks_to_swap!r}")
-  ours = {(m, int(n), l): sub(common + ["--blocks_to_swap", n, "--run", f"{m}@{l}"], env)
+  ours = {(m, int(n), l): sub(common + ["--run", f"{m}@{l}@{n}"], env)
           for m, n in zip(modes, swaps) for l in layouts}
   peer = {}
   for ckpt in (0, 1) if a.peer else ():
