@@ -205,11 +205,8 @@ def main(argv):
     state = layout.create(init_state, jax.random.key(config.seed), existing)
 
   # ---------------------------------------------------------------- update step
-  step_fn = jax.jit(functools.partial(
-      train.train_step, tx=tx, grads=train.grad_fn(model, config, layout.pipeline)),
-      donate_argnums=(0,))
-  eval_fn = jax.jit(functools.partial(train.eval_losses, model=model, config=config,
-                                      pipeline=layout.pipeline))
+  step_fn = train.make_step(model, config, tx, layout)
+  eval_fn = train.make_eval(model, config, layout)
 
   def run_evals(step):
     """Each eval set's loss at the fixed t quantiles, with the same noise every time."""

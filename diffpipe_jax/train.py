@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diffpipe_jax import flow, lora
+from diffpipe_jax import flow, lora, programs
 from diffpipe_jax.models import layers
 
 
@@ -63,20 +63,35 @@ def pipelined_loss(adapter, params, batches, keys, *, model, config, pipeline):
   return jax.vmap(flow.mse)(pred, targets, *([masks] if masks is not None else [])).mean()
 
 
-def grad_fn(model, config, pipeline=None):
+def grad_fn(model, config, pipeline=None, split=False):
   """(adapter, params, batches [A, micro batch, ...], keys [A]) -> (mean loss, mean gradient).
-  Without a pipeline the micro-batches run one after another (the memory of one micro-batch)."""
+  Without a pipeline the micro-batches run one after another (the memory of one micro-batch):
+  in a scan; or, `split`, for a caller that must not jit it, in a Python loop, each loss and
+  gradient run as programs split at the block calls (`programs`: unrolled layers)."""
   if pipeline is not None:
     return jax.value_and_grad(functools.partial(pipelined_loss, model=model, config=config,
                                                 pipeline=pipeline))
-  loss = jax.value_and_grad(functools.partial(loss_fn, model=model, config=config))
+  loss = functools.partial(loss_fn, model=model, config=config)
+  loss = (programs.value_and_grad if split else jax.value_and_grad)(loss)
+  add = lambda total, result: jax.tree.map(jnp.add, total, result)
+  mean = lambda total, n: jax.tree.map(lambda t: t / n, total)
+  if split:
+    add, mean = jax.jit(add, donate_argnums=0), jax.jit(mean, static_argnums=1, donate_argnums=0)
+
+    def accumulate(adapter, params, batches, keys):
+      total = None
+      for a in range(len(keys)):
+        result = loss(adapter, params, *jax.tree.map(lambda x: x[a], (batches, keys)))
+        total = result if total is None else add(total, result)
+      return mean(total, len(keys))
+    return accumulate
 
   def accumulate(adapter, params, batches, keys):
     def micro(grads, batch_and_key):
       value, g = loss(adapter, params, *batch_and_key)
-      return jax.tree.map(jnp.add, grads, g), value
+      return add(grads, g), value
     grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, adapter), (batches, keys))
-    return losses.mean(), jax.tree.map(lambda g: g / len(losses), grads)
+    return losses.mean(), mean(grads, len(losses))
   return accumulate
 
 
@@ -89,15 +104,39 @@ def init_state(key, adapter=None, *, layer_params, config, tx, family):
   return dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
 
 
-def train_step(state, params, batches, key, *, tx, grads):
-  """One optimizer update from a [accumulation, micro_batch, ...] stack of batches; `grads` is
-  a `grad_fn`."""
-  n = jax.tree.leaves(batches)[0].shape[0]
-  loss, g = grads(state["lora"], params, batches, jax.random.split(key, n))
+def apply_gradients(state, loss, g, *, tx):
+  """The state after one optimizer update with the mean gradient `g`, and the step's metrics."""
   updates, opt_state = tx.update(g, state["opt_state"], state["lora"])
   new_state = dict(lora=jax.tree.map(jnp.add, state["lora"], updates), opt_state=opt_state,
                    step=state["step"] + 1)
   return new_state, dict(loss=loss, grad_norm=optax.tree.norm(g))
+
+
+def train_step(state, params, batches, key, *, grads, update):
+  """One optimizer update from a [accumulation, micro_batch, ...] stack of batches; `grads` is
+  a `grad_fn`, `update` an `apply_gradients`."""
+  n = jax.tree.leaves(batches)[0].shape[0]
+  return update(state, *grads(state["lora"], params, batches, jax.random.split(key, n)))
+
+
+def make_step(model, config, tx, layout):
+  """`train_step` (state, params, batches, key) -> (state, metrics) for the model's layout: one
+  jitted program; or, with the layers unrolled (`layout.per_layer`, scan_layers=False), the loss
+  and its gradient as a sequence of programs (`programs`: each stack's block forward and backward
+  programs compile once for all its layers), then one jitted update. One program of every
+  unrolled layer would take minutes to compile at Flux size."""
+  grads = grad_fn(model, config, layout.pipeline, split=layout.per_layer)
+  update = functools.partial(apply_gradients, tx=tx)
+  if layout.per_layer:
+    return functools.partial(train_step, grads=grads, update=jax.jit(update, donate_argnums=(0,)))
+  return jax.jit(functools.partial(train_step, grads=grads, update=update), donate_argnums=(0,))
+
+
+def make_eval(model, config, layout):
+  """`eval_losses` (adapter, params, batch, key) for the model's layout: jitted, or split at its
+  block calls as `make_step` runs its step (`layout.per_layer`)."""
+  evaluate = functools.partial(eval_losses, model=model, config=config, pipeline=layout.pipeline)
+  return programs.split(evaluate) if layout.per_layer else jax.jit(evaluate)
 
 
 def eval_losses(adapter, params, batch, key, *, model, config, pipeline=None):

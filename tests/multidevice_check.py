@@ -41,10 +41,11 @@ def run(path, config, data, stages, scan_layers=True, steps=3, accum=4):
   adapter = jax.tree.map(lambda x: x + 0.05, adapter)  # non-zero B: gradients reach A too
   state = layout.create(functools.partial(train.init_state, layer_params=layer_params,
                                           config=config, tx=tx, family=flux), None, adapter)
-  grads = train.grad_fn(model, config, layout.pipeline)
-  step = jax.jit(lambda s, p, b, k: train.train_step(s, p, b, k, tx=tx, grads=grads))
+  grads = train.grad_fn(model, config, layout.pipeline, split=layout.per_layer)
+  step = train.make_step(model, config, tx, layout)  # unrolled: split into programs per block
   keys = jax.random.split(jax.random.key(99), accum)
-  loss0, grads0 = jax.jit(grads)(state["lora"], model.params, batches_for(model.config, 0, mesh), keys)
+  loss0, grads0 = (grads if layout.per_layer else jax.jit(grads))(
+      state["lora"], model.params, batches_for(model.config, 0, mesh), keys)
   losses = []
   for i in range(steps):
     state, m = step(state, model.params, batches_for(model.config, i, mesh), jax.random.key(i))

@@ -1,6 +1,7 @@
 """LoRA training end to end: the step learns, exports load in diffusers, runs resume exactly."""
 import copy
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -50,7 +51,8 @@ def trained_adapter(model, config, steps, samples=2):
   adapter = lora.init(model.params, flux.LORA_TARGETS, config.adapter.rank, jnp.float32, jax.random.key(0))
   state = dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
   step = jax.jit(lambda s, b, k: train.train_step(
-      s, model.params, b, k, tx=tx, grads=train.grad_fn(model, config)))
+      s, model.params, b, k, grads=train.grad_fn(model, config),
+      update=functools.partial(train.apply_gradients, tx=tx)))
   losses = []
   for i in range(steps):
     batches = jax.tree.map(lambda x: x.reshape(1, samples, *x.shape[1:]), batch)
@@ -191,7 +193,8 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(flux_checkpo
   """Each activation_checkpointing value in a scan, and no remat unrolled, against no remat in a
   scan: same loss and gradients. Remat must shrink the temporaries, and "block_offload" must send
   each block's input [B, T + L, D] to host memory. Unrolled, the layout stores every stacked
-  leaf per layer, so that no stacked weight or LoRA (nor a slice of one) is in the program."""
+  leaf per layer, so that no stacked weight or LoRA (nor a slice of one) is in the program; the
+  trainer runs it split into programs per block (`programs`), which must give the same."""
   path = flux_checkpoints["dev"]["diffusers"]
   model = models.load("flux", path, progress=False)
   batch = flux.random_batch(model.config, 2, 4, 4, 6)
@@ -209,6 +212,8 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(flux_checkpo
     else:
       run = models.load("flux", path, scan_layers=False, layout=unrolled, progress=False)
       args = (unrolled.to_stages(adapter), run.params, *inputs)
+      loss, g = train.grad_fn(run, tiny_config(), split=True)(*args)
+      results["split", False] = loss, unrolled.to_layers(g)
     grads = train.grad_fn(run, tiny_config())
     compiled = jax.jit(grads).lower(*args).compile()
     loss, g = compiled(*args)

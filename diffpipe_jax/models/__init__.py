@@ -123,7 +123,7 @@ def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_
   transformer_dtype: "float8" stores the blocks' frozen Linear kernels in float8.
   attention_impl: "auto" (cuDNN on GPU for 16-bit, else XLA), "cudnn", "xla" or None (XLA).
   remat: a `REMAT_POLICIES` key: "none", or "block" (rematerialise each block in the backward
-  pass) and its variants. scan_layers=False unrolls the blocks (faster step, longer compile).
+  pass) and its variants. scan_layers=False unrolls the blocks (a faster step: see `programs`).
   axes_dims_rope: only for single files of non-standard head sizes, where it cannot be derived.
   layout: a sharding.Layout that places each converted leaf, one at a time (stage shares,
   swapped blocks in host memory); default: the default device.

@@ -336,11 +336,17 @@ LAYER_WEIGHTS = "layer_weights"  # the checkpoint name of one layer's slice of t
 BLOCK_INPUT = "block_input"  # the checkpoint name of each block's input (what per-block remat keeps)
 
 
-def apply_block(stack: Stack, x, params, lora, args, key, i):
-  """Layer i of `stack` (dropout key: `key` folded with i)."""
+def apply_block(block: nn.Module, x, params, lora, args, key, i):
+  """Layer i of a stack of `block`s (dropout key: `key` folded with i)."""
   variables = {"params": params, **({"lora": lora} if lora is not None else {})}
   rngs = None if key is None else {"dropout": jax.random.fold_in(key, i)}
-  return stack.block.apply(variables, checkpoint_name(x, BLOCK_INPUT), *args, rngs=rngs)
+  return block.apply(variables, checkpoint_name(x, BLOCK_INPUT), *args, rngs=rngs)
+
+
+# One unrolled layer: in a jitted function it is inlined (traced and lowered once for all of a
+# stack's layers); in a function that `programs` splits, the point where it cuts, so that a
+# stack's forward and backward programs compile once and every layer reuses them.
+block_program = jax.jit(apply_block, static_argnums=(0,))
 
 
 def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=None, start=None,
@@ -349,17 +355,18 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
   policy `remat` (None: no rematerialisation).
 
   The whole stack: the stacked weights are the scan's xs, which the backward pass reads in place.
-  With `scan=False` (no remat only) a Python loop instead: a program of every layer, which
-  takes minutes to compile at Flux size, but each layer's residuals are buffers of their own
-  rather than slices of stacked ones that the scan fills and copies back out (at full Flux size,
-  18% of the step); its weights and LoRA are best stored per layer (`LayerArrays`).
+  With `scan=False` (no remat only) a Python loop of `block_program` calls instead: each layer's
+  residuals are buffers of their own rather than slices of stacked ones that the scan fills and
+  copies back out (at full Flux size, 18% of the step); its weights and LoRA are best stored per
+  layer (`LayerArrays`). Jitted whole, that is a program of every layer, which takes minutes to
+  compile at Flux size: the trainer runs it split into programs per block (`programs`).
   A chunk (`count` layers from layer `start`, the pipeline's): each layer slices its weights
   inside a checkpoint that never saves the slice, so the backward pass slices again instead of
   keeping a stacked copy; where `valid[i]` is False, layer i passes x on unchanged (padding of
   uneven stages: computed, as the busy stages compute meanwhile, and selected away).
   A stack with swapped layers (`Swapped` weights): see `run_swapped`.
   """
-  apply = lambda x, params, lora, i: apply_block(stack, x, params, lora, args, key, i)
+  apply = lambda x, params, lora, i: apply_block(stack.block, x, params, lora, args, key, i)
   if count is not None:
     @functools.partial(jax.checkpoint, prevent_cse=False,
                        policy=remat or jax.checkpoint_policies.save_anything_except_these_names(LAYER_WEIGHTS))
@@ -379,9 +386,8 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
   if not scan:
     # Unrolled, XLA is free to schedule a remat's recomputation early, saving nothing.
     assert remat is None, "unrolled layers: no remat"
-    apply = jax.jit(apply)  # traced and lowered once for all the stack's layers
     for i in range(stack.length):
-      x = apply(x, *layer_of((stack.params, stack.lora), i), i)
+      x = block_program(stack.block, x, *layer_of((stack.params, stack.lora), i), args, key, i)
     return x
   assert not any(map(is_layer_arrays, jax.tree.leaves(stack.params, is_leaf=is_layer_arrays))), (
       "weights stored per layer (a layout of scan_layers=False) run unrolled: scan_layers=False")
@@ -405,7 +411,7 @@ def run_swapped(stack: Stack, x, args, key):
     i, weight_index, key = index  # layer, its weights' index (None: `weights` are the layer's own)
     if weight_index is not None:
       weights = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, weight_index, keepdims=False), weights)
-    return apply_block(stack, x, weights, lora, args, key, i)
+    return apply_block(stack.block, x, weights, lora, args, key, i)
 
   def run_resident(x, lora, args, weights, first, end, swapped_before):
     """Layers first..end-1, all resident (weights index: layer - swapped_before)."""
