@@ -103,6 +103,7 @@ class _Differentiated:
     leaves, self.tree = jax.tree.flatten(vjp)
     position = {id(x): k for k, x in enumerate([*diff, *rest])}
     self.forwarded = [position.get(id(leaf)) for leaf in leaves]
+    self.needed = set(self.forwarded)  # the inputs that the backward program reads again
     return outs, [leaf for leaf, k in zip(leaves, self.forwarded) if k is None]
 
   def _backward(self, residuals, inputs, cts):
@@ -112,8 +113,7 @@ class _Differentiated:
 
   def __call__(self, diff, rest):
     outs, residuals = self.forward(diff, rest)
-    needed = set(self.forwarded)  # hold on to the inputs the backward program reads only
-    inputs = [x if k in needed else None for k, x in enumerate([*diff, *rest])]
+    inputs = [x if k in self.needed else None for k, x in enumerate([*diff, *rest])]
     return outs, functools.partial(self.backward, residuals, inputs)
 
 
@@ -143,16 +143,28 @@ def _program(programs, jaxpr):
   return programs[id(jaxpr)]
 
 
+@functools.cache
+def _waits_for_each_program() -> bool:
+  """On several CPU devices, programs in flight together can hang, each holding a thread of
+  XLA's pool at a collective that waits for another device's turn: wait for each there."""
+  return jax.default_backend() == "cpu" and jax.device_count() > 1
+
+
 def _settled(values):
-  """values, waited for on several CPU devices: there, programs in flight together can hang,
-  each holding a thread of XLA's pool at a collective that waits for another device's turn."""
-  if jax.default_backend() == "cpu" and jax.device_count() > 1:
-    jax.block_until_ready(values)
-  return values
+  return jax.block_until_ready(values) if _waits_for_each_program() else values
 
 
 def _read(env, atom):
   return atom.val if isinstance(atom, core.Literal) else env[atom]
+
+
+def _run_pieces(env, steps, call):
+  """call(piece, its inputs) -> its outputs, for each piece in order; `env` keeps only what
+  later pieces (or the results) read."""
+  for piece in steps:
+    env.update(zip(piece.outs, _settled(call(piece, [_read(env, v) for v in piece.ins]))))
+    for v in piece.frees:
+      del env[v]
 
 
 def split(fn):
@@ -161,42 +173,49 @@ def split(fn):
 
   def run(*args):
     env, jaxpr, steps, out_tree, programs = trace(args)
-    for piece in steps:
-      outs = _program(programs, piece.jaxpr)(*[_read(env, v) for v in piece.ins])
-      env.update(zip(piece.outs, _settled(outs)))
-      for v in piece.frees:
-        del env[v]
+    _run_pieces(env, steps, lambda piece, ins: _program(programs, piece.jaxpr)(*ins))
     return out_tree.unflatten([_read(env, v) for v in jaxpr.outvars])
   return run
+
+
+def _differentiated_inputs(jaxpr, steps, n_diff) -> dict:
+  """id(piece) -> which of its inputs depend on the first `n_diff` inputs of jaxpr (and are
+  inexact), for each piece in order."""
+  carries, plan = set(jaxpr.invars[:n_diff]), {}
+  for piece in steps:
+    plan[id(piece)] = tuple(isinstance(v, core.Var) and v in carries and _inexact(v.aval)
+                            for v in piece.ins)
+    if any(plan[id(piece)]):
+      carries.update(piece.outs)
+  return plan
 
 
 def value_and_grad(fn):
   """jax.value_and_grad(fn) (of its first argument, a tree of inexact arrays; fn returns a
   scalar), run piece by piece: forward programs in order, backward programs in reverse."""
   trace = _cached_trace(fn)
+  plans = {}  # id(pieces of a trace) -> `_differentiated_inputs`
 
   def run(*args):
     env, jaxpr, steps, _, programs = trace(args)
     n_diff = len(jax.tree.leaves(args[0]))
-    carries = set(jaxpr.invars[:n_diff])  # variables that depend on the differentiated inputs
-    tape = []
-    for piece in steps:
-      ins = [_read(env, v) for v in piece.ins]
-      differentiated = tuple(isinstance(v, core.Var) and v in carries and _inexact(v.aval)
-                             for v in piece.ins)
-      if any(differentiated):
-        key = (id(piece.jaxpr), differentiated)  # the layers of a stack share one jaxpr
-        if key not in programs:
-          programs[key] = _Differentiated(piece.jaxpr, differentiated)
-        outs, backward = programs[key]([x for x, d in zip(ins, differentiated) if d],
-                                       [x for x, d in zip(ins, differentiated) if not d])
-        tape.append((piece, differentiated, backward))
-        carries.update(piece.outs)
-      else:
-        outs = _program(programs, piece.jaxpr)(*ins)
-      env.update(zip(piece.outs, _settled(outs)))
-      for v in piece.frees:
-        del env[v]
+    if id(steps) not in plans:
+      plans[id(steps)] = _differentiated_inputs(jaxpr, steps, n_diff)
+    plan, tape = plans[id(steps)], []
+
+    def forward(piece, ins):
+      differentiated = plan[id(piece)]
+      if not any(differentiated):
+        return _program(programs, piece.jaxpr)(*ins)
+      key = (id(piece.jaxpr), differentiated)  # the layers of a stack share one jaxpr
+      if key not in programs:
+        programs[key] = _Differentiated(piece.jaxpr, differentiated)
+      outs, backward = programs[key]([x for x, d in zip(ins, differentiated) if d],
+                                     [x for x, d in zip(ins, differentiated) if not d])
+      tape.append((piece, differentiated, backward))
+      return outs
+
+    _run_pieces(env, steps, forward)
     (loss_var,) = jaxpr.outvars
     value = _read(env, loss_var)
     del env
