@@ -30,8 +30,11 @@ MODES = {"no remat": dict(remat="none", transformer_dtype=""),
          "no remat (unrolled)": dict(remat="none", transformer_dtype="", scan_layers=False),
          "per-block remat (save dots)": dict(remat="block_save_dots", transformer_dtype=""),
          "per-block remat": dict(remat="block", transformer_dtype=""),
+         "per-block remat (unrolled)": dict(remat="block", transformer_dtype="", scan_layers=False),
          "per-block remat (offload)": dict(remat="block_offload", transformer_dtype=""),
          "fp8 base + per-block remat": dict(remat="block", transformer_dtype="float8"),
+         "fp8 base + per-block remat (unrolled)": dict(remat="block", transformer_dtype="float8",
+                                                       scan_layers=False),
          "fp8 base + per-block remat (offload)": dict(remat="block_offload", transformer_dtype="float8")}
 CEILING_TFLOPS = 810.0  # measured bf16 matmul rate of the H200 (REFERENCE.md section 5)
 

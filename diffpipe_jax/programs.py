@@ -8,9 +8,16 @@ shares, and each stretch of work between calls (the embedders, the loss) is a pi
 (which returns its residuals) in order, then the backward programs in reverse. Every program is
 called from Python through jit's own dispatch, so the GPU runs them back to back while Python
 dispatches the next ones ahead (at Flux size the step is as fast as one program's).
+
+A block call under `jax.checkpoint` (per-block remat) keeps the residuals its policy saves; an
+input in pinned host memory (a swapped block's frozen weights) is copied to the device a few
+programs before the program that reads it (`_HostCopies`), forward and backward.
 """
+import collections
 import dataclasses
 import functools
+
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,30 +39,41 @@ class Piece:
   jaxpr: core.ClosedJaxpr  # a block call's shared jaxpr, or a stretch of equations
   ins: tuple  # its arguments' atoms (a variable, or a literal such as the layer index)
   outs: tuple  # its results' variables
+  policy: Callable = keeps_for_backward  # which of its values its backward program reads
   frees: tuple = ()  # variables last read by this piece
 
 
-def is_block_call(eqn) -> bool:
-  """Whether a jaxpr equation is a call of `layers.block_program`."""
-  return "jaxpr" in eqn.params and eqn.params.get("name") == layers.apply_block.__name__
+def block_call(eqn) -> Optional[tuple]:
+  """(the block's jaxpr, its residual policy) if a jaxpr equation calls `layers.block_program`,
+  alone or as the whole of a `jax.checkpoint` (whose policy it then takes); else None."""
+  if eqn.params.get("name") == layers.apply_block.__name__ and "jaxpr" in eqn.params:
+    return eqn.params["jaxpr"], keeps_for_backward
+  body = eqn.params.get("jaxpr")
+  if "policy" in eqn.params and isinstance(body, core.Jaxpr) and len(body.eqns) == 1:
+    (inner,) = body.eqns
+    if (block_call(inner) and not body.constvars and inner.invars == body.invars
+        and inner.outvars == body.outvars):
+      return inner.params["jaxpr"], eqn.params["policy"] or jax.checkpoint_policies.nothing_saveable
+  return None
 
 
 def pieces(closed) -> list:
   """A closed jaxpr as `Piece`s in order: each block call, and each stretch of equations
   between them (with what each must return: what is read after it)."""
   jaxpr = closed.jaxpr
-  groups = []
+  groups = []  # [(block_call(eqn), [eqn]) or (None, [eqns of a stretch])]
   for eqn in jaxpr.eqns:
-    if is_block_call(eqn) or not groups or is_block_call(groups[-1][-1]):
-      groups.append([eqn])
+    call = block_call(eqn)
+    if call or not groups or groups[-1][0]:
+      groups.append((call, [eqn]))
     else:
-      groups[-1].append(eqn)
+      groups[-1][1].append(eqn)
   out, live = [], {v for v in jaxpr.outvars if isinstance(v, core.Var)}
-  for eqns in reversed(groups):
+  for call, eqns in reversed(groups):
     defined = {v for e in eqns for v in e.outvars}
-    if is_block_call(eqns[0]):
+    if call:
       (eqn,) = eqns
-      piece = Piece(eqn.params["jaxpr"], tuple(eqn.invars), tuple(eqn.outvars))
+      piece = Piece(call[0], tuple(eqn.invars), tuple(eqn.outvars), call[1])
     else:
       ins = tuple(dict.fromkeys(v for e in eqns for v in e.invars
                                 if isinstance(v, core.Var) and v not in defined))
@@ -75,13 +93,14 @@ def _inexact(aval) -> bool:
 
 class _Differentiated:
   """A piece's forward and backward programs, for inputs differentiated where `differentiated`
-  says, compiled at the first call. forward(diff, rest) -> (outputs, residuals);
-  backward(residuals, diff + rest, output cotangents) -> diff cotangents. A residual that is one of
-  the inputs (a frozen weight, the block input) is not returned (XLA would copy it) but passed
-  to the backward program again."""
+  says, keeping the residuals `policy` saves, compiled at the first call.
+  forward(diff, rest) -> (outputs, residuals); backward(residuals, inputs, output cotangents)
+  -> diff cotangents, where `inputs` are diff + rest, of which only those in `needed` are read.
+  A residual that is one of the inputs (a frozen weight, the block input) is not returned (XLA
+  would copy it) but passed to the backward program again."""
 
-  def __init__(self, jaxpr, differentiated):
-    self.fn, self.differentiated = core.jaxpr_as_fun(jaxpr), differentiated
+  def __init__(self, jaxpr, differentiated, policy):
+    self.fn, self.differentiated, self.policy = core.jaxpr_as_fun(jaxpr), differentiated, policy
     self.inexact = [_inexact(a) for a in jaxpr.out_avals]
     # jit's own dispatch is the fastest; every call has the same shapes (those of one trace
     # of the split function), so each traces once and `tree`, `forwarded` stay valid.
@@ -93,8 +112,8 @@ class _Differentiated:
       outs = self.fn(*[next(it_diff) if d else next(it_rest) for d in self.differentiated])
       return ([o for o, f in zip(outs, self.inexact) if f],
               [o for o, f in zip(outs, self.inexact) if not f])
-    real, vjp, other = jax.vjp(jax.checkpoint(outputs, policy=keeps_for_backward,
-                                              prevent_cse=False), diff, has_aux=True)
+    real, vjp, other = jax.vjp(jax.checkpoint(outputs, policy=self.policy, prevent_cse=False),
+                               diff, has_aux=True)
     real, other = iter(real), iter(other)
     return [next(real) if f else next(other) for f in self.inexact], vjp
 
@@ -111,15 +130,58 @@ class _Differentiated:
     leaves = [next(residuals) if k is None else inputs[k] for k in self.forwarded]
     return jax.tree.unflatten(self.tree, leaves)(cts)[0]
 
-  def __call__(self, diff, rest):
-    outs, residuals = self.forward(diff, rest)
-    inputs = [x if k in self.needed else None for k, x in enumerate([*diff, *rest])]
-    return outs, functools.partial(self.backward, residuals, inputs)
+  def ordered(self, ins):
+    """A piece's inputs as (diff, rest)."""
+    return ([x for x, d in zip(ins, self.differentiated) if d],
+            [x for x, d in zip(ins, self.differentiated) if not d])
+
+  def inputs(self, ins):
+    """A piece's inputs in the order of `backward`'s: diff + rest."""
+    diff, rest = self.ordered(ins)
+    return diff + rest
+
+
+# A swapped block's weights (0.28 GB for a Flux single block) take about 3x its forward pass to
+# copy at 50 GB/s: the copy starts this many programs before the program that reads them ...
+COPY_AHEAD = 6
+# ... once the program this many before the current one has finished, since Python runs far
+# ahead of the device: the device holds the copies of at most COPY_AHEAD + COPY_WAIT programs.
+COPY_WAIT = 2
+
+
+class _HostCopies:
+  """Device copies of programs' inputs that live in pinned host memory, each made `COPY_AHEAD`
+  programs before the program that reads it, so that its DMA runs beside the programs in
+  between (the copy of a whole host array is a DMA; within one program it would wait for XLA's
+  scheduler). `host[n]`: {position: host array} of the n-th program to run; `finished`: the
+  outputs of the last programs run (shared by successive passes)."""
+
+  def __init__(self, host, finished):
+    self.host, self.finished, self.copies, self.issued = host, finished, {}, 0
+
+  def inputs(self, n, ins):
+    """Program n's inputs `ins` (a list, changed in place), its host ones replaced by copies."""
+    while self.issued < min(n + COPY_AHEAD + 1, len(self.host)):
+      if self.host[self.issued]:
+        if len(self.finished) == COPY_WAIT:
+          jax.block_until_ready(self.finished[0])
+        arrays = list(self.host[self.issued].values())
+        self.copies[self.issued] = dict(zip(self.host[self.issued], jax.device_put(
+            arrays, [a.sharding.with_memory_kind("device") for a in arrays])))
+      self.issued += 1
+    for k, x in self.copies.pop(n, {}).items():
+      ins[k] = x
+    return ins
+
+  def ran(self, outputs):
+    """Records that the next program was dispatched, with `outputs` (one of them is enough)."""
+    self.finished.append(jax.tree.leaves(outputs)[:1])
 
 
 def _cached_trace(fn):
   """args -> (values of fn's jaxpr's variables so far, the jaxpr, its pieces, the results' tree,
-  a dict for the pieces' programs), tracing fn once per argument tree and shapes."""
+  the jaxpr's inputs in host memory, a dict for the pieces' programs), tracing fn once per
+  argument tree, shapes and memories."""
   traced = {}
 
   def trace(args):
@@ -128,11 +190,13 @@ def _cached_trace(fn):
     if (tree, avals) not in traced:
       closed, shapes = jax.make_jaxpr(lambda *f: fn(*tree.unflatten(f)), return_shape=True)(
           *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
-      traced[tree, avals] = closed, pieces(closed), jax.tree.structure(shapes), {}
-    closed, steps, out_tree, programs = traced[tree, avals]
+      host = frozenset(v for v, a in zip(closed.jaxpr.invars, avals)
+                       if a.memory_space == jax.memory.Space.Host)
+      traced[tree, avals] = closed, pieces(closed), jax.tree.structure(shapes), host, {}
+    closed, steps, out_tree, host, programs = traced[tree, avals]
     env = dict(zip(closed.jaxpr.constvars, closed.consts))
     env.update(zip(closed.jaxpr.invars, flat))
-    return env, closed.jaxpr, steps, out_tree, programs
+    return env, closed.jaxpr, steps, out_tree, host, programs
   return trace
 
 
@@ -154,15 +218,24 @@ def _settled(values):
   return jax.block_until_ready(values) if _waits_for_each_program() else values
 
 
+def _in(atom, variables) -> bool:
+  return isinstance(atom, core.Var) and atom in variables
+
+
 def _read(env, atom):
   return atom.val if isinstance(atom, core.Literal) else env[atom]
 
 
-def _run_pieces(env, steps, call):
-  """call(piece, its inputs) -> its outputs, for each piece in order; `env` keeps only what
-  later pieces (or the results) read."""
-  for piece in steps:
-    env.update(zip(piece.outs, _settled(call(piece, [_read(env, v) for v in piece.ins]))))
+def _run_pieces(env, steps, host, call, finished):
+  """call(piece, its inputs, the same with those in host memory copied to the device) -> its
+  outputs, for each piece in order; `env` keeps only what later pieces (or the results) read."""
+  copies = _HostCopies([{k: env[v] for k, v in enumerate(piece.ins) if _in(v, host)}
+                        for piece in steps], finished)
+  for n, piece in enumerate(steps):
+    ins = [_read(env, v) for v in piece.ins]
+    outs = _settled(call(piece, ins, copies.inputs(n, list(ins))))
+    copies.ran(outs)
+    env.update(zip(piece.outs, outs))
     for v in piece.frees:
       del env[v]
 
@@ -172,8 +245,9 @@ def split(fn):
   trace = _cached_trace(fn)
 
   def run(*args):
-    env, jaxpr, steps, out_tree, programs = trace(args)
-    _run_pieces(env, steps, lambda piece, ins: _program(programs, piece.jaxpr)(*ins))
+    env, jaxpr, steps, out_tree, host, programs = trace(args)
+    _run_pieces(env, steps, host, lambda piece, _, ins: _program(programs, piece.jaxpr)(*ins),
+                collections.deque(maxlen=COPY_WAIT))
     return out_tree.unflatten([_read(env, v) for v in jaxpr.outvars])
   return run
 
@@ -183,8 +257,7 @@ def _differentiated_inputs(jaxpr, steps, n_diff) -> dict:
   inexact), for each piece in order."""
   carries, plan = set(jaxpr.invars[:n_diff]), {}
   for piece in steps:
-    plan[id(piece)] = tuple(isinstance(v, core.Var) and v in carries and _inexact(v.aval)
-                            for v in piece.ins)
+    plan[id(piece)] = tuple(_in(v, carries) and _inexact(v.aval) for v in piece.ins)
     if any(plan[id(piece)]):
       carries.update(piece.outs)
   return plan
@@ -197,36 +270,42 @@ def value_and_grad(fn):
   plans = {}  # id(pieces of a trace) -> `_differentiated_inputs`
 
   def run(*args):
-    env, jaxpr, steps, _, programs = trace(args)
+    env, jaxpr, steps, _, host, programs = trace(args)
     n_diff = len(jax.tree.leaves(args[0]))
     if id(steps) not in plans:
       plans[id(steps)] = _differentiated_inputs(jaxpr, steps, n_diff)
-    plan, tape = plans[id(steps)], []
+    plan, tape, finished = plans[id(steps)], [], collections.deque(maxlen=COPY_WAIT)
 
-    def forward(piece, ins):
+    def forward(piece, originals, ins):
       differentiated = plan[id(piece)]
       if not any(differentiated):
         return _program(programs, piece.jaxpr)(*ins)
-      key = (id(piece.jaxpr), differentiated)  # the layers of a stack share one jaxpr
+      key = (id(piece.jaxpr), differentiated, piece.policy)  # the layers of a stack share one jaxpr
       if key not in programs:
-        programs[key] = _Differentiated(piece.jaxpr, differentiated)
-      outs, backward = programs[key]([x for x, d in zip(ins, differentiated) if d],
-                                     [x for x, d in zip(ins, differentiated) if not d])
-      tape.append((piece, differentiated, backward))
+        programs[key] = _Differentiated(piece.jaxpr, differentiated, piece.policy)
+      program = programs[key]
+      outs, residuals = program.forward(*program.ordered(ins))
+      # What the backward program reads again; host inputs stay there, to be copied again.
+      kept = [x if k in program.needed else None for k, x in enumerate(program.inputs(originals))]
+      hosts = {k: x for k, (x, v) in enumerate(zip(kept, program.inputs(piece.ins)))
+               if x is not None and _in(v, host)}
+      tape.append((piece, program, residuals, kept, hosts))
       return outs
 
-    _run_pieces(env, steps, forward)
+    _run_pieces(env, steps, host, forward, finished)
     (loss_var,) = jaxpr.outvars
     value = _read(env, loss_var)
     del env
     cts = {loss_var: jnp.ones_like(value)}
-    while tape:
-      piece, differentiated, backward = tape.pop()
+    copies = _HostCopies([entry[-1] for entry in reversed(tape)], finished)
+    for n in range(len(tape)):
+      piece, program, residuals, kept, _ = tape.pop()
       out_cts = [cts.pop(v) if v in cts else jnp.zeros(v.aval.shape, v.aval.dtype)
                  for v in piece.outs if _inexact(v.aval)]
-      in_cts = _settled(backward(out_cts))
-      del backward  # its residuals
-      for v, ct in zip([v for v, d in zip(piece.ins, differentiated) if d], in_cts):
+      in_cts = _settled(program.backward(residuals, copies.inputs(n, kept), out_cts))
+      copies.ran(in_cts)
+      del residuals, kept
+      for v, ct in zip(program.ordered(piece.ins)[0], in_cts):
         cts[v] = cts[v] + ct if v in cts else ct
     grads = [cts[v] if v in cts else jnp.zeros(v.aval.shape, v.aval.dtype)
              for v in jaxpr.invars[:n_diff]]

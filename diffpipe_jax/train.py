@@ -1,12 +1,14 @@
 """The training step: flow-matching loss of the model with a LoRA, averaged over the step's
 micro-batches inside one jitted update: one micro-batch after another on each device, or all of
 them at once as the microbatches of a pipeline over the mesh's 'stage' axis."""
+import concurrent.futures
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diffpipe_jax import flow, lora, programs
 from diffpipe_jax.models import layers
@@ -72,19 +74,24 @@ def grad_fn(model, config, pipeline=None, split=False):
     return jax.value_and_grad(functools.partial(pipelined_loss, model=model, config=config,
                                                 pipeline=pipeline))
   loss = functools.partial(loss_fn, model=model, config=config)
-  loss = (programs.value_and_grad if split else jax.value_and_grad)(loss)
   add = lambda total, result: jax.tree.map(jnp.add, total, result)
-  mean = lambda total, n: jax.tree.map(lambda t: t / n, total)
   if split:
-    add, mean = jax.jit(add, donate_argnums=0), jax.jit(mean, static_argnums=1, donate_argnums=0)
+    # each micro-batch's loss divided by their number inside its programs: the sum is the mean
+    loss_and_grad = programs.value_and_grad(lambda adapter, params, batch, key, n: loss(
+        adapter, params, batch, key) / n)
+    add = jax.jit(add, donate_argnums=0)
 
     def accumulate(adapter, params, batches, keys):
       total = None
       for a in range(len(keys)):
-        result = loss(adapter, params, *jax.tree.map(lambda x: x[a], (batches, keys)))
+        result = loss_and_grad(adapter, params, *jax.tree.map(lambda x: x[a], (batches, keys)),
+                               len(keys))
         total = result if total is None else add(total, result)
-      return mean(total, len(keys))
+      return total
     return accumulate
+
+  loss = jax.value_and_grad(loss)
+  mean = lambda total, n: jax.tree.map(lambda t: t / n, total)
 
   def accumulate(adapter, params, batches, keys):
     def micro(grads, batch_and_key):
@@ -127,9 +134,25 @@ def make_step(model, config, tx, layout):
   unrolled layer would take minutes to compile at Flux size."""
   grads = grad_fn(model, config, layout.pipeline, split=layout.per_layer)
   update = functools.partial(apply_gradients, tx=tx)
-  if layout.per_layer:
-    return functools.partial(train_step, grads=grads, update=jax.jit(update, donate_argnums=(0,)))
-  return jax.jit(functools.partial(train_step, grads=grads, update=update), donate_argnums=(0,))
+  if not layout.per_layer:
+    return jax.jit(functools.partial(train_step, grads=grads, update=update), donate_argnums=(0,))
+  update = jax.jit(update, donate_argnums=(0,))
+  compiled = {}  # state shapes -> the update's executable (a future)
+
+  def step(state, params, batches, key):
+    # The update of a state stored per layer is a program of thousands of arrays (30 s to
+    # compile at Flux size): it compiles in a thread while the first step's programs do.
+    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    signature = (jax.tree.structure(specs), tuple(jax.tree.leaves(specs)))
+    if signature not in compiled:
+      loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(layout.mesh, P()))
+      compiled[signature] = _COMPILER.submit(lambda: update.lower(specs, loss, specs["lora"]).compile())
+    return train_step(state, params, batches, key, grads=grads,
+                      update=lambda *args: compiled[signature].result()(*args))
+  return step
+
+
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
 
 
 def make_eval(model, config, layout):

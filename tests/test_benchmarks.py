@@ -35,11 +35,11 @@ def test_flux_step_benchmark_smoke_of_split_and_swapped_steps():
   """The unrolled mode (its step split into programs per block) and blocks_to_swap per mode."""
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "flux_step.py"), "--smoke",
-                        "--modes", "no remat (unrolled),per-block remat", "--blocks_to_swap", "0,2"],
+                        "--modes", "no remat (unrolled),per-block remat (unrolled)", "--blocks_to_swap", "0,2"],
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
   rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "diffpipe-jax" in line]
   assert [(r[1].strip(), r[2].strip()) for r in rows] == [("no remat (unrolled)", "0"),
-                                                          ("per-block remat", "2")], out
+                                                          ("per-block remat (unrolled)", "2")], out
   assert all(float(r[5]) > 0 for r in rows), out  # step times
 
 

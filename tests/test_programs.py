@@ -1,9 +1,12 @@
 """programs: a function of unrolled layers run as programs per block gives what jax gives for
 the whole function, and compiles the same programs whatever the number of layers."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from diffpipe_jax import programs
 from diffpipe_jax.models import layers
@@ -16,12 +19,16 @@ class Block(nn.Module):
     return x + jnp.tanh(x @ w + x @ self.get_variable("lora", "a")) * scale
 
 
-def model(adapter, weights, x, scale):
-  """A head that the adapter reaches, unrolled blocks (their index a literal), an integer passed
-  between pieces and a constant: a scalar."""
+def model(adapter, weights, x, scale, remat=None):
+  """A head that the adapter reaches, unrolled blocks (their index a literal; each under
+  jax.checkpoint with policy `remat`, if given), an integer passed between pieces and a
+  constant: a scalar."""
   h = jnp.sin(x) * adapter["head"] + jnp.asarray(np.linspace(0, 1, x.shape[-1]), x.dtype)
+  block = functools.partial(layers.block_program, Block())
+  if remat is not None:
+    block = jax.checkpoint(block, policy=remat, prevent_cse=False)
   for i, (w, a) in enumerate(zip(weights, adapter["layers"])):
-    h = layers.block_program(Block(), h, {"w": w}, {"a": a}, (scale,), None, i)
+    h = block(h, {"w": w}, {"a": a}, (scale,), None, i)
   top = jnp.argmax(h[0])
   return jnp.mean(h ** 2) + h[0, top]
 
@@ -43,7 +50,8 @@ def test_split_function_gives_jax_value_and_gradient():
   np.testing.assert_allclose(programs.split(model)(*args), model(*args), rtol=1e-6)
 
 
-def test_programs_do_not_grow_with_the_layers():
+@pytest.mark.parametrize("remat", [None, jax.checkpoint_policies.nothing_saveable])
+def test_programs_do_not_grow_with_the_layers(remat):
   """Every layer of a stack reuses one forward and one backward program: a model of 6 layers
   lowers as many programs as one of 2 (each of its own width, so that nothing is shared)."""
   lowered = []
@@ -53,10 +61,51 @@ def test_programs_do_not_grow_with_the_layers():
   counts = []
   for n_layers, width in ((2, 5), (6, 7)):
     start = len(lowered)
-    step = programs.value_and_grad(model)
+    step = programs.value_and_grad(functools.partial(model, remat=remat))
     args = arguments(n_layers, width)
     step(*args)
     counts.append(len(lowered) - start)
     step(*arguments(n_layers, width, seed=1))  # the same shapes: nothing new
     assert len(lowered) - start == counts[-1]
   assert counts[0] == counts[1], counts
+
+
+def test_remat_blocks_keep_no_residuals_and_host_weights_are_copied_once_a_pass(monkeypatch):
+  """A block call under jax.checkpoint (per-block remat) is a piece of the checkpoint's policy:
+  with nothing saveable its forward program returns no residuals (the backward program
+  recomputes the block from its inputs, passed again). Weights in pinned host memory (swapped
+  blocks) are copied to the device once for the forward and once for the backward pass, and
+  everything gives what jax gives."""
+  n_layers, nothing = 5, jax.checkpoint_policies.nothing_saveable
+  args = arguments(n_layers, 8)
+  want_value, want_grad = jax.value_and_grad(model)(*args)
+  remat = functools.partial(model, remat=nothing)
+  steps = programs.pieces(jax.make_jaxpr(remat)(*args))
+  blocks = [piece for piece in steps if piece.policy is nothing]
+  assert len(blocks) == n_layers
+  plan = programs._differentiated_inputs(jax.make_jaxpr(remat)(*args).jaxpr, steps,
+                                         len(jax.tree.leaves(args[0])))
+  h = jnp.ones_like(args[2])
+  block_args = [h, args[1][0], args[0]["layers"][0], args[3]]
+  for policy, residuals in ((nothing, 0), (programs.keeps_for_backward, 2)):  # tanh(x @ w + ...)
+    program = programs._Differentiated(blocks[0].jaxpr, plan[id(blocks[0])], policy)
+    diff, rest = program.ordered(block_args + [0])
+    assert len(program.forward(diff, rest)[1]) == residuals, policy
+
+  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  swapped = (0, 2, 3)
+  weights = [jax.device_put(w, host) if i in swapped else w for i, w in enumerate(args[1])]
+  copied = []
+  device_put = jax.device_put
+  monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: copied.extend(
+      leaf.sharding.memory_kind for leaf in jax.tree.leaves(x)) or device_put(x, *a, **k))
+  for fn in (model, remat):
+    copied.clear()
+    value, grad = programs.value_and_grad(fn)(args[0], weights, *args[2:])
+    assert copied == ["pinned_host"] * 2 * len(swapped), copied
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(grad), jax.tree.leaves(want_grad)):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    copied.clear()
+    np.testing.assert_allclose(programs.split(fn)(args[0], weights, *args[2:]), want_value, rtol=1e-6)
+    assert copied == ["pinned_host"] * len(swapped), copied

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 
 from diffpipe_jax import lora, models, optim, sharding, train
 from diffpipe_jax.models import flux
-from diffpipe_jax.models.layers import swapped_stacks
+from diffpipe_jax.models.layers import is_layer_arrays, swapped_stacks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -135,9 +135,10 @@ def test_resume_gives_the_same_run(tmp_path):
   half = run_main(tmp_path, "--config.max_steps=5", "--config.pipeline_stages=2", *args, output="c",
                   devices=2)
   assert half.returncode == 0 and "stage 1: transformer_blocks 1" in half.stdout, half.stdout
-  # ... with the layers unrolled (every stacked leaf stored per layer)
+  # ... with the layers unrolled (every stacked leaf stored per layer; per-block remat), 2 of
+  # the single blocks' weights in host memory
   resumed = run_main(tmp_path, "--resume_from_checkpoint", "--config.micro_batch_size_per_gpu=1",
-                     "--config.scan_layers=False", "--config.activation_checkpointing=none", *args,
+                     "--config.scan_layers=False", "--config.blocks_to_swap=2", *args,
                      output="c", devices=2)
   assert resumed.returncode == 0 and "'data': 2" in resumed.stdout, resumed.stdout
   (run_c,) = glob.glob(str(tmp_path / "c" / "*"))
@@ -233,7 +234,7 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(flux_checkpo
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max()), key
   with pytest.raises(ValueError, match="scan_layers=False"):
-    models.load("flux", path, remat="block", scan_layers=False, progress=False)
+    models.load("flux", path, remat="block_offload", scan_layers=False, progress=False)
 
 
 def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(flux_checkpoints):
@@ -245,24 +246,38 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(flux_che
   mesh = sharding.make_mesh(1)
   config = tiny_config()
   results, temps = {}, {}
-  # none; single blocks 0 and 2 (a resident one between them); the 3 single blocks and double block 1
-  for remat, swap in (("block", 0), ("none", 2), ("block", 4)):
-    layout = sharding.make_layout(mesh, flux, models.checkpoint_config("flux", path), 1, swap)
-    model = models.load("flux", path, remat=remat, layout=layout, progress=False)
+  # none; single blocks 0 and 2 (a resident one between them); the 3 single blocks and double
+  # block 1; unrolled, each layer's weights an array of their own (`programs` copies them)
+  for remat, swap, scan_layers in (("block", 0, True), ("none", 2, True), ("block", 4, True),
+                                   ("block", 4, False), ("none", 2, False)):
+    layout = sharding.make_layout(mesh, flux, models.checkpoint_config("flux", path), 1, swap,
+                                  scan_layers)
+    model = models.load("flux", path, remat=remat, layout=layout, scan_layers=scan_layers,
+                        progress=False)
+    if not results:
+      abstract = models.abstract_params(flux, model.module, model.config)
+      batch = flux.random_batch(model.config, 2, 4, 4, 6)
+      adapter = lora.init(abstract, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
+      adapter = jax.tree.map(lambda a: a + 0.01, adapter)
+    args = (layout.to_stages(adapter), model.params, jax.tree.map(lambda x: x[None], batch),
+            jax.random.split(jax.random.key(1), 1))
+    if not scan_layers:
+      in_host = {(name, n): [[a.sharding.memory_kind == "pinned_host" for a in leaf.arrays]
+                             for leaf in jax.tree.leaves(model.params[name], is_leaf=is_layer_arrays)]
+                 for name, n in layout.swap}
+      want = {("single_transformer_blocks", 2): [True, False, True],
+              ("single_transformer_blocks", 3): [True, True, True], ("transformer_blocks", 1): [False, True]}
+      assert all(all(h == want[key] for h in hs) for key, hs in in_host.items()), in_host
+      loss, g = train.grad_fn(model, config, split=True)(*args)
+      results[remat, swap, scan_layers] = loss, layout.to_layers(g)
+      continue
     swapped = swapped_stacks(model.params)
-    abstract = models.abstract_params(flux, model.module, model.config)
     assert [len(s.pinned_host) for s in swapped] == [n for _, n in layout.swap]
     assert len(layout.swap) == {0: 0, 2: 1, 4: 2}[swap]
     assert all(h.sharding.memory_kind == "pinned_host" for s in swapped for h in s.pinned_host)
     assert all(a.sharding.memory_kind == "device" for s in swapped for a in jax.tree.leaves(s.device))
-    if not results:
-      batch = flux.random_batch(model.config, 2, 4, 4, 6)
-      adapter = lora.init(abstract, flux.LORA_TARGETS, 4, jnp.float32, jax.random.key(0))
-      adapter = jax.tree.map(lambda a: a + 0.01, adapter)
-    args = (adapter, model.params, jax.tree.map(lambda x: x[None], batch),
-            jax.random.split(jax.random.key(1), 1))
     grads = train.grad_fn(model, config)
-    results[remat, swap] = jax.jit(grads)(*args)
+    results[remat, swap, scan_layers] = jax.jit(grads)(*args)
     temps[remat, swap] = jax.jit(grads).lower(*args).compile().memory_analysis().temp_size_in_bytes
     # each swapped layer is copied to the device twice, forward and backward, as one buffer:
     # never kept
@@ -274,7 +289,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(flux_che
   # (`swapped`, `buffers`: the last run's, 4 blocks)
   layer_bytes = max(h.nbytes for s in swapped for h in s.pinned_host)
   assert temps["block", 4] - temps["block", 0] < 2 * layer_bytes < sum(h.nbytes for h in buffers), temps
-  loss, want = results["block", 0]
+  loss, want = results["block", 0, True]
   for key, (value, got) in results.items():
     np.testing.assert_allclose(value, loss, rtol=1e-5, err_msg=str(key))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -80,10 +80,10 @@ def remat_policy(remat: str, scan_layers: bool = True, pipelined: bool = False, 
   settings that decide how the blocks run."""
   if remat not in REMAT_POLICIES:
     raise ValueError(f"activation_checkpointing={remat!r}; use one of {sorted(REMAT_POLICIES)}")
-  if not scan_layers and (remat != "none" or pipelined or swapped):
-    raise ValueError(f"scan_layers=False unrolls the blocks of one-stage runs without remat or "
-                     f"blocks_to_swap only (activation_checkpointing={remat!r}, pipelined: "
-                     f"{pipelined}, swapped: {swapped}); set scan_layers=True")
+  if not scan_layers and (remat == "block_offload" or pipelined):
+    raise ValueError(f"scan_layers=False unrolls the blocks of one-stage runs that keep block "
+                     f"inputs on the device (activation_checkpointing={remat!r}, pipelined: "
+                     f"{pipelined}); set scan_layers=True")
   if pipelined and swapped:
     raise ValueError(layers.SWAP_NEEDS_ONE_STAGE)
   return REMAT_POLICIES[remat]

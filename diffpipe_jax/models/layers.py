@@ -355,11 +355,12 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
   policy `remat` (None: no rematerialisation).
 
   The whole stack: the stacked weights are the scan's xs, which the backward pass reads in place.
-  With `scan=False` (no remat only) a Python loop of `block_program` calls instead: each layer's
-  residuals are buffers of their own rather than slices of stacked ones that the scan fills and
-  copies back out (at full Flux size, 18% of the step); its weights and LoRA are best stored per
-  layer (`LayerArrays`). Jitted whole, that is a program of every layer, which takes minutes to
-  compile at Flux size: the trainer runs it split into programs per block (`programs`).
+  With `scan=False` a Python loop of `block_program` calls instead (each under `remat`): each
+  layer's residuals are buffers of their own rather than slices of stacked ones that the scan
+  fills and copies back out (at full Flux size, 18% of the step); its weights and LoRA are best
+  stored per layer (`LayerArrays`; those of swapped layers in host memory). Jitted whole, that
+  is a program of every layer, which takes minutes to compile at Flux size: the trainer runs it
+  split into programs per block (`programs`), which also copy swapped layers' weights.
   A chunk (`count` layers from layer `start`, the pipeline's): each layer slices its weights
   inside a checkpoint that never saves the slice, so the backward pass slices again instead of
   keeping a stacked copy; where `valid[i]` is False, layer i passes x on unchanged (padding of
@@ -384,10 +385,13 @@ def run_layers(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=N
   if host_layers(stack.params):
     return run_swapped(stack, x, args, key)
   if not scan:
-    # Unrolled, XLA is free to schedule a remat's recomputation early, saving nothing.
-    assert remat is None, "unrolled layers: no remat"
+    # Jitted whole, XLA is free to schedule a remat's recomputation early, saving nothing;
+    # split into programs (`programs`), each block's backward program recomputes it.
+    call = functools.partial(block_program, stack.block)
+    if remat is not None:
+      call = jax.checkpoint(call, policy=remat, prevent_cse=False)
     for i in range(stack.length):
-      x = block_program(stack.block, x, *layer_of((stack.params, stack.lora), i), args, key, i)
+      x = call(x, *layer_of((stack.params, stack.lora), i), args, key, i)
     return x
   assert not any(map(is_layer_arrays, jax.tree.leaves(stack.params, is_leaf=is_layer_arrays))), (
       "weights stored per layer (a layout of scan_layers=False) run unrolled: scan_layers=False")

@@ -6,7 +6,8 @@ over it, so XLA all-reduces the LoRA gradients. Pipeline parallelism (stages > 1
 over 'stage'; everything else (embedders, final layers) is replicated. Block swapping (one
 stage): the frozen weights of `blocks_to_swap` blocks, spread evenly over the last stacks, live
 in pinned host memory. Layers unrolled (`scan_layers=False`, one stage): every stacked leaf
-(weights, LoRA, Adam moments) is stored one array per layer (`layers.LayerArrays`).
+(weights, LoRA, Adam moments) is stored one array per layer (`layers.LayerArrays`), the
+swapped layers' weights in host memory.
 """
 import dataclasses
 import re
@@ -16,8 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diffpipe_jax.models.layers import (SWAP_NEEDS_ONE_STAGE, Swapped, layer_bytes, pack_layers, restack,
-                                       split_layers, unstack)
+from diffpipe_jax.models.layers import (SWAP_NEEDS_ONE_STAGE, LayerArrays, Swapped, layer_bytes,
+                                       pack_layers, restack, split_layers, swap_positions, unstack)
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 
 AXES = ("data", "stage")
@@ -106,11 +107,13 @@ class Layout:
   def settle(self, path, weight):
     """A placed frozen weight; in a stack with swapped layers, `Swapped`: its swapped layers moved
     to host memory, one array each (`pack` gathers them once every weight is placed); stacked and
-    `per_layer`, one array per layer."""
+    `per_layer`, one array per layer, the swapped layers' in host memory."""
     name = pipeline_lib.is_stacked_path(path, self.stacked)
-    if self.per_layer and name is not None:
-      return unstack(weight)
     layers = dict(self.swap).get(name, 0)
+    if self.per_layer and name is not None:
+      host = swap_positions(weight.shape[0], layers) if layers else ()
+      return LayerArrays(tuple(jax.device_put(a, self.host_memory) if i in host else a
+                               for i, a in enumerate(unstack(weight).arrays)))
     if not layers:
       return weight
     split = split_layers(weight, layers)
@@ -119,7 +122,10 @@ class Layout:
   def pack(self, params):
     """The placed frozen weights with each swapped stack's weights (`settle`d) in their final
     form, one host buffer per layer (`layers.pack_layers`), packed one layer at a time, so that
-    the device holds one layer's copy at most."""
+    the device holds one layer's copy at most. Per layer, each swapped layer's weights stay
+    host arrays of their own (`programs` copies each layer's beside the compute)."""
+    if self.per_layer:
+      return params
     pack_layer = jax.jit(layer_bytes, out_shardings=self.host_memory)
     return {**params, **{name: pack_layers(params[name], pack_layer) for name, _ in self.swap}}
 
@@ -146,7 +152,7 @@ def make_layout(mesh: Mesh, family, model_config, microbatches: int, blocks_to_s
                 scan_layers: bool = True, **plan_options) -> Layout:
   """The layout on `mesh`; with more than one stage, the pipeline plan for the family's block
   stacks (`plan.describe()` prints it) and `microbatches` microbatches a step; on one stage,
-  the frozen weights of `blocks_to_swap` blocks in pinned host memory, or with the layers
+  the frozen weights of `blocks_to_swap` blocks in pinned host memory, and with the layers
   unrolled (`scan_layers=False`, see `models.remat_policy`), every stacked leaf per layer."""
   plan = None
   if mesh.shape["stage"] > 1:
