@@ -153,22 +153,22 @@ class _HostCopies:
   """Device copies of programs' inputs that live in pinned host memory, each made `COPY_AHEAD`
   programs before the program that reads it, so that its DMA runs beside the programs in
   between (the copy of a whole host array is a DMA; within one program it would wait for XLA's
-  scheduler). `host[n]`: {position: host array} of the n-th program to run; `finished`: the
-  outputs of the last programs run (shared by successive passes)."""
+  scheduler). `host`: {n: {position: host array}} for the n-th program to run, where it has
+  any; `finished`: the outputs of the last programs run (shared by successive passes)."""
 
   def __init__(self, host, finished):
-    self.host, self.finished, self.copies, self.issued = host, finished, {}, 0
+    self.host, self.finished, self.copies = host, finished, {}
+    self.pending = collections.deque(sorted(host))
 
   def inputs(self, n, ins):
     """Program n's inputs `ins` (a list, changed in place), its host ones replaced by copies."""
-    while self.issued < min(n + COPY_AHEAD + 1, len(self.host)):
-      if self.host[self.issued]:
-        if len(self.finished) == COPY_WAIT:
-          jax.block_until_ready(self.finished[0])
-        arrays = list(self.host[self.issued].values())
-        self.copies[self.issued] = dict(zip(self.host[self.issued], jax.device_put(
-            arrays, [a.sharding.with_memory_kind("device") for a in arrays])))
-      self.issued += 1
+    while self.pending and self.pending[0] <= n + COPY_AHEAD:
+      m = self.pending.popleft()
+      if len(self.finished) == COPY_WAIT:
+        jax.block_until_ready(self.finished[0])
+      positions, arrays = zip(*self.host[m].items())
+      self.copies[m] = dict(zip(positions, jax.device_put(
+          list(arrays), [a.sharding.with_memory_kind("device") for a in arrays])))
     for k, x in self.copies.pop(n, {}).items():
       ins[k] = x
     return ins
@@ -180,8 +180,8 @@ class _HostCopies:
 
 def _cached_trace(fn):
   """args -> (values of fn's jaxpr's variables so far, the jaxpr, its pieces, the results' tree,
-  the jaxpr's inputs in host memory, a dict for the pieces' programs), tracing fn once per
-  argument tree, shapes and memories."""
+  {id(piece): positions of its inputs in host memory} for the pieces with any, a dict for the
+  pieces' programs), tracing fn once per argument tree, shapes and memories."""
   traced = {}
 
   def trace(args):
@@ -190,9 +190,11 @@ def _cached_trace(fn):
     if (tree, avals) not in traced:
       closed, shapes = jax.make_jaxpr(lambda *f: fn(*tree.unflatten(f)), return_shape=True)(
           *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
-      host = frozenset(v for v, a in zip(closed.jaxpr.invars, avals)
-                       if a.memory_space == jax.memory.Space.Host)
-      traced[tree, avals] = closed, pieces(closed), jax.tree.structure(shapes), host, {}
+      in_host = {v for v, a in zip(closed.jaxpr.invars, avals) if a.memory_space == jax.memory.Space.Host}
+      steps = pieces(closed)
+      host = {id(p): tuple(k for k, v in enumerate(p.ins) if _in(v, in_host)) for p in steps}
+      host = {piece: positions for piece, positions in host.items() if positions}
+      traced[tree, avals] = closed, steps, jax.tree.structure(shapes), host, {}
     closed, steps, out_tree, host, programs = traced[tree, avals]
     env = dict(zip(closed.jaxpr.constvars, closed.consts))
     env.update(zip(closed.jaxpr.invars, flat))
@@ -229,8 +231,8 @@ def _read(env, atom):
 def _run_pieces(env, steps, host, call, finished):
   """call(piece, its inputs, the same with those in host memory copied to the device) -> its
   outputs, for each piece in order; `env` keeps only what later pieces (or the results) read."""
-  copies = _HostCopies([{k: env[v] for k, v in enumerate(piece.ins) if _in(v, host)}
-                        for piece in steps], finished)
+  copies = _HostCopies({n: {k: env[piece.ins[k]] for k in host[id(piece)]}
+                        for n, piece in enumerate(steps) if id(piece) in host}, finished)
   for n, piece in enumerate(steps):
     ins = [_read(env, v) for v in piece.ins]
     outs = _settled(call(piece, ins, copies.inputs(n, list(ins))))
@@ -287,8 +289,9 @@ def value_and_grad(fn):
       outs, residuals = program.forward(*program.ordered(ins))
       # What the backward program reads again; host inputs stay there, to be copied again.
       kept = [x if k in program.needed else None for k, x in enumerate(program.inputs(originals))]
-      hosts = {k: x for k, (x, v) in enumerate(zip(kept, program.inputs(piece.ins)))
-               if x is not None and _in(v, host)}
+      in_host = host.get(id(piece), ())
+      hosts = {j: kept[j] for j, k in enumerate(program.inputs(range(len(ins))))
+               if k in in_host and kept[j] is not None} if in_host else {}
       tape.append((piece, program, residuals, kept, hosts))
       return outs
 
@@ -297,7 +300,8 @@ def value_and_grad(fn):
     value = _read(env, loss_var)
     del env
     cts = {loss_var: jnp.ones_like(value)}
-    copies = _HostCopies([entry[-1] for entry in reversed(tape)], finished)
+    copies = _HostCopies({n: hosts for n, (*_, hosts) in enumerate(reversed(tape)) if hosts},
+                         finished)
     for n in range(len(tape)):
       piece, program, residuals, kept, _ = tape.pop()
       out_cts = [cts.pop(v) if v in cts else jnp.zeros(v.aval.shape, v.aval.dtype)

@@ -137,18 +137,20 @@ def make_step(model, config, tx, layout):
   if not layout.per_layer:
     return jax.jit(functools.partial(train_step, grads=grads, update=update), donate_argnums=(0,))
   update = jax.jit(update, donate_argnums=(0,))
-  compiled = {}  # state shapes -> the update's executable (a future)
+  compiling = []  # the update's compilation, started by the first step
+
+  def compiled_update(*args):
+    compiling[0].result()  # (re-raises what failed)
+    return update(*args)  # jit finds its executable compiled
 
   def step(state, params, batches, key):
     # The update of a state stored per layer is a program of thousands of arrays (30 s to
     # compile at Flux size): it compiles in a thread while the first step's programs do.
-    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    signature = (jax.tree.structure(specs), tuple(jax.tree.leaves(specs)))
-    if signature not in compiled:
+    if not compiling:
+      specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
       loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(layout.mesh, P()))
-      compiled[signature] = _COMPILER.submit(lambda: update.lower(specs, loss, specs["lora"]).compile())
-    return train_step(state, params, batches, key, grads=grads,
-                      update=lambda *args: compiled[signature].result()(*args))
+      compiling.append(_COMPILER.submit(lambda: update.lower(specs, loss, specs["lora"]).compile()))
+    return train_step(state, params, batches, key, grads=grads, update=compiled_update)
   return step
 
 

@@ -6,6 +6,7 @@ carry padding layers."""
 import functools
 import os
 import sys
+import threading
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax  # noqa: E402
@@ -21,6 +22,12 @@ import flux as flux_configs  # noqa: E402
 # (data, stage, scan_layers): data parallel, unrolled (every stacked leaf stored per layer),
 # pipelines of 2, 4 (with data parallelism) and 8 stages
 LAYOUTS = ((2, 1, True), (8, 1, False), (1, 2, True), (2, 4, True), (1, 8, True))
+
+
+UPDATE_COMPILES = []  # the threads that compiled an optimizer update
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, _, fun_name="", **kw: UPDATE_COMPILES.append(threading.current_thread().name)
+    if event == "/jax/core/compile/backend_compile_duration" and "apply_gradients" in fun_name else None)
 
 
 def batches_for(cfg, step, mesh, batch=32, accum=4):
@@ -46,10 +53,12 @@ def run(path, config, data, stages, scan_layers=True, steps=3, accum=4):
   keys = jax.random.split(jax.random.key(99), accum)
   loss0, grads0 = (grads if layout.per_layer else jax.jit(grads))(
       state["lora"], model.params, batches_for(model.config, 0, mesh), keys)
-  losses = []
+  losses, compiles = [], len(UPDATE_COMPILES)
   for i in range(steps):
     state, m = step(state, model.params, batches_for(model.config, i, mesh), jax.random.key(i))
     losses.append(float(m["loss"]))
+  if layout.per_layer:  # compiled once, in the thread that compiles it beside the first step
+    assert [t.startswith("compile") for t in UPDATE_COMPILES[compiles:]] == [True], UPDATE_COMPILES
   plain = jax.jit(layout.to_layers)
   return float(loss0), jax.device_get(plain(grads0)), losses, jax.device_get(plain(state["lora"])), layout
 
