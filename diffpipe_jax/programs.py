@@ -16,7 +16,6 @@ programs before the program that reads it (`_HostCopies`), forward and backward.
 import collections
 import dataclasses
 import functools
-
 from typing import Callable, Optional
 
 import jax
@@ -39,7 +38,7 @@ class Piece:
   jaxpr: core.ClosedJaxpr  # a block call's shared jaxpr, or a stretch of equations
   ins: tuple  # its arguments' atoms (a variable, or a literal such as the layer index)
   outs: tuple  # its results' variables
-  policy: Callable = keeps_for_backward  # which of its values its backward program reads
+  policy: Callable = keeps_for_backward  # what its forward program keeps for the backward one
   frees: tuple = ()  # variables last read by this piece
 
 
@@ -53,7 +52,8 @@ def block_call(eqn) -> Optional[tuple]:
     (inner,) = body.eqns
     if (block_call(inner) and not body.constvars and inner.invars == body.invars
         and inner.outvars == body.outvars):
-      return inner.params["jaxpr"], eqn.params["policy"] or jax.checkpoint_policies.nothing_saveable
+      policy = eqn.params["policy"] or jax.checkpoint_policies.nothing_saveable  # None: nothing
+      return inner.params["jaxpr"], policy
   return None
 
 
@@ -190,7 +190,8 @@ def _cached_trace(fn):
     if (tree, avals) not in traced:
       closed, shapes = jax.make_jaxpr(lambda *f: fn(*tree.unflatten(f)), return_shape=True)(
           *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
-      in_host = {v for v, a in zip(closed.jaxpr.invars, avals) if a.memory_space == jax.memory.Space.Host}
+      in_host = {v for v, a in zip(closed.jaxpr.invars, avals)
+                 if a.memory_space == jax.memory.Space.Host}
       steps = pieces(closed)
       host = {id(p): tuple(k for k, v in enumerate(p.ins) if _in(v, in_host)) for p in steps}
       host = {piece: positions for piece, positions in host.items() if positions}
