@@ -294,13 +294,17 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(flux_che
     np.testing.assert_allclose(value, loss, rtol=1e-5, err_msg=str(key))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max()), key
-  # created in place (random init): the same weights, split the same way
+  # created in place (random init): the same weights, split the same way; the forward pass
+  # of unrolled layers runs as programs per block
   cfg = models.checkpoint_config("flux", path)
-  plain, split = (models.init_random("flux", cfg, jax.random.key(3), layout=sharding.make_layout(
-      mesh, flux, cfg, 1, swap)) for swap in (0, 4))
+  plain, split, unrolled = (models.init_random(
+      "flux", cfg, jax.random.key(3), scan_layers=scan_layers,
+      layout=sharding.make_layout(mesh, flux, cfg, 1, swap, scan_layers))
+      for swap, scan_layers in ((0, True), (4, True), (4, False)))
   assert len(split.params["transformer_blocks"].pinned_host) == 1
   inputs = flux.random_inputs(cfg, 1, 4, 4, 6)
-  np.testing.assert_allclose(split(**inputs), plain(**inputs), rtol=1e-5, atol=1e-5)
+  for model in (split, unrolled):
+    np.testing.assert_allclose(model(**inputs), plain(**inputs), rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="the model has 5 blocks"):
     sharding.make_layout(mesh, flux, cfg, 1, 6)
   with pytest.raises(ValueError, match="blocks_to_swap needs pipeline_stages=1"):

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from diffpipe_jax import convert
+from diffpipe_jax import convert, programs
 from diffpipe_jax.convert import table
 from diffpipe_jax.models import layers
 
@@ -35,11 +35,13 @@ class Model:
   params: Any
 
   def __post_init__(self):
-    self._apply = jax.jit(self.module.apply)
+    apply = lambda variables, inputs: self.module.apply(variables, **inputs)
+    # unrolled layers run as programs per block, which also copy swapped layers' weights
+    self._apply = (jax.jit if self.module.scan_layers else programs.split)(apply)
 
   def __call__(self, **inputs) -> jax.Array:
     inputs = {k: None if v is None else jnp.asarray(v) for k, v in inputs.items()}
-    return self._apply({"params": self.params}, **self.family.check_inputs(self.config, inputs))
+    return self._apply({"params": self.params}, self.family.check_inputs(self.config, inputs))
 
 
 def abstract_params(fam, module, config):
