@@ -135,7 +135,7 @@ class _Differentiated:
     return ([x for x, d in zip(ins, self.differentiated) if d],
             [x for x, d in zip(ins, self.differentiated) if not d])
 
-  def inputs(self, ins):
+  def in_backward_order(self, ins):
     """A piece's inputs in the order of `backward`'s: diff + rest."""
     diff, rest = self.ordered(ins)
     return diff + rest
@@ -161,7 +161,7 @@ class _HostCopies:
     self.pending = collections.deque(sorted(host))
 
   def inputs(self, n, ins):
-    """Program n's inputs `ins` (a list, changed in place), its host ones replaced by copies."""
+    """Program n's inputs `ins`, its host ones replaced by their copies (a new list, if any)."""
     while self.pending and self.pending[0] <= n + COPY_AHEAD:
       m = self.pending.popleft()
       if len(self.finished) == COPY_WAIT:
@@ -169,9 +169,8 @@ class _HostCopies:
       positions, arrays = zip(*self.host[m].items())
       self.copies[m] = dict(zip(positions, jax.device_put(
           list(arrays), [a.sharding.with_memory_kind("device") for a in arrays])))
-    for k, x in self.copies.pop(n, {}).items():
-      ins[k] = x
-    return ins
+    copies = self.copies.pop(n, None)
+    return ins if copies is None else [copies.get(k, x) for k, x in enumerate(ins)]
 
   def ran(self, outputs):
     """Records that the next program was dispatched, with `outputs` (one of them is enough)."""
@@ -236,7 +235,7 @@ def _run_pieces(env, steps, host, call, finished):
                         for n, piece in enumerate(steps) if id(piece) in host}, finished)
   for n, piece in enumerate(steps):
     ins = [_read(env, v) for v in piece.ins]
-    outs = _settled(call(piece, ins, copies.inputs(n, list(ins))))
+    outs = _settled(call(piece, ins, copies.inputs(n, ins)))
     copies.ran(outs)
     env.update(zip(piece.outs, outs))
     for v in piece.frees:
@@ -289,9 +288,10 @@ def value_and_grad(fn):
       program = programs[key]
       outs, residuals = program.forward(*program.ordered(ins))
       # What the backward program reads again; host inputs stay there, to be copied again.
-      kept = [x if k in program.needed else None for k, x in enumerate(program.inputs(originals))]
+      kept = [x if k in program.needed else None
+              for k, x in enumerate(program.in_backward_order(originals))]
       in_host = host.get(id(piece), ())
-      hosts = {j: kept[j] for j, k in enumerate(program.inputs(range(len(ins))))
+      hosts = {j: kept[j] for j, k in enumerate(program.in_backward_order(range(len(ins))))
                if k in in_host and kept[j] is not None} if in_host else {}
       tape.append((piece, program, residuals, kept, hosts))
       return outs
