@@ -49,9 +49,10 @@ class Linear(Module):
                         self.param_dtype)
     bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
     x = x.astype(self.dtype)
-    y = x @ kernel.astype(self.dtype)
     if self.has_variable("params", "kernel_scale"):
-      y = y * self.get_variable("params", "kernel_scale").astype(self.dtype)
+      y = float8_matmul(x, kernel, self.get_variable("params", "kernel_scale"))
+    else:
+      y = x @ kernel.astype(self.dtype)
     y = y + bias.astype(self.dtype)
     if self.has_variable("lora", "lora_A"):
       a, b = self.get_variable("lora", "lora_A"), self.get_variable("lora", "lora_B")
@@ -69,6 +70,43 @@ def quantize_float8(kernel):
   amax = jnp.abs(kernel).max(axis=-2).astype(jnp.float32)
   scale = jnp.maximum(amax, 1e-12) / float(jnp.finfo(jnp.float8_e4m3fn).max)
   return (kernel.astype(jnp.float32) / scale[..., None, :]).astype(jnp.float8_e4m3fn), scale
+
+
+def quantize_rows_float8(x):
+  """float8_e4m3fn rows of x with one float32 scale per row, x ~= q * scale[..., None]."""
+  amax = jnp.abs(x).max(axis=-1, keepdims=True).astype(jnp.float32)
+  scale = jnp.maximum(amax, 1e-12) / float(jnp.finfo(jnp.float8_e4m3fn).max)
+  return (x.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale
+
+
+def _float8_dot(q, q_scale, kernel, contract, channel_scale, dtype):
+  """(q * q_scale) @ kernel * channel_scale as one float8 GEMM (cuBLASLt on Hopper), with both
+  scales applied to its output: a row scale and a column scale commute with the matmul."""
+  y = jax.lax.dot_general(q, kernel, (((q.ndim - 1,), (contract,)), ((), ())),
+                          preferred_element_type=dtype)
+  return (y.astype(jnp.float32) * q_scale * channel_scale).astype(dtype)
+
+
+@jax.custom_vjp
+def float8_matmul(x, kernel, kernel_scale):
+  """x @ (kernel * kernel_scale) for a float8 kernel [in, out] with per-output-channel scales.
+
+  x is quantised to float8 per row (token) on the fly, so the matmul runs in float8 (twice
+  Hopper's bf16 rate) and the kernel is never upcast. The backward pass quantises the output
+  cotangent the same way; the kernel is frozen, so only x gets a gradient."""
+  return _float8_dot(*quantize_rows_float8(x), kernel, 0, kernel_scale, x.dtype)
+
+
+def _float8_matmul_fwd(x, kernel, kernel_scale):
+  return float8_matmul(x, kernel, kernel_scale), (kernel, kernel_scale)
+
+
+def _float8_matmul_bwd(residuals, ct):
+  kernel, kernel_scale = residuals
+  return _float8_dot(*quantize_rows_float8(ct * kernel_scale), kernel, 1, 1.0, ct.dtype), None, None
+
+
+float8_matmul.defvjp(_float8_matmul_fwd, _float8_matmul_bwd)
 
 
 def layer_norm(x, eps=1e-6):
