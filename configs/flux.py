@@ -52,7 +52,8 @@ def get_config(arg=""):
   c.model.diffusers_path = ""  # a diffusers pipeline folder (holds transformer/)
   c.model.transformer_path = ""  # or a BFL single file (flux1-dev.safetensors); wins if set
   c.model.dtype = "bfloat16"  # compute and frozen-weight dtype
-  c.model.transformer_dtype = ""  # "float8": the blocks' frozen Linears in float8_e4m3fn
+  # "float8": the blocks' frozen Linears in float8_e4m3fn, and their matmuls in float8
+  c.model.transformer_dtype = ""
   c.model.timestep_sample_method = "logit_normal"  # or uniform
   c.model.sigmoid_scale = 1.0
   c.model.shift = 1.0  # t' = s t / (1 + (s - 1) t); 1 is no shift

@@ -172,7 +172,7 @@ def test_float8_base_tracks_full_precision(flux_checkpoints):
   config = tiny_config(**{"optimizer.lr": 3e-3})
   _, losses = trained_adapter(full, config, 15)
   _, losses8 = trained_adapter(fp8, config, 15)
-  np.testing.assert_allclose(losses8, losses, rtol=0.15)
+  np.testing.assert_allclose(losses8, losses, rtol=0.03)  # within 1% on 2026-12-02
   assert losses8[-1] < 0.6 * losses8[0]
 
 

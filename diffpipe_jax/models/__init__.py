@@ -122,7 +122,8 @@ def load(name: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_
   """Loads model `name` ("flux") from a diffusers folder or an original single file.
 
   dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype);
-  transformer_dtype: "float8" stores the blocks' frozen Linear kernels in float8.
+  transformer_dtype: "float8" stores the blocks' frozen Linear kernels in float8 (and
+    `layers.Linear` then runs their matmuls in float8).
   attention_impl: "auto" (cuDNN on GPU for 16-bit, else XLA), "cudnn", "xla" or None (XLA).
   remat: a `REMAT_POLICIES` key: "none", or "block" (rematerialise each block in the backward
   pass) and its variants. scan_layers=False unrolls the blocks (a faster step: see `programs`).

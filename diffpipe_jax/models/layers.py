@@ -39,7 +39,8 @@ class Linear(Module):
   The LoRA lives in its own collection, `lora/.../lora_A` [in, r] and `lora_B` [r, out] (alpha =
   r, so scale 1), so base weights and adapter are separate trees: only the adapter is
   differentiated and optimised. See `diffpipe_jax.lora`. A frozen kernel may be stored in
-  float8 with a per-output-channel `kernel_scale` (see `quantize_float8`).
+  float8 with a per-output-channel `kernel_scale` (see `quantize_float8`); its matmul then runs
+  in float8 (`float8_matmul`).
   """
   features: int
 
