@@ -25,7 +25,7 @@ def float8_dots(fn, *args):
 
 
 def dequantised_rows(x):
-  q, scale = layers.quantize_rows_float8(x)
+  q, scale = layers.quantize_float8(x, axis=-1)
   return q.astype(jnp.float32) * scale
 
 
@@ -36,7 +36,8 @@ def test_float8_matmul_quantises_rows_and_runs_in_float8():
   matmuls take float8 operands, so that XLA calls a float8 GEMM."""
   kx, kk, kc = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (2, 8, 64)).at[0, 3].multiply(1e5)
-  kernel, kernel_scale = layers.quantize_float8(jax.random.normal(kk, (64, 48)) * 0.1)
+  kernel, kernel_scale = layers.quantize_float8(jax.random.normal(kk, (64, 48)) * 0.1, axis=-2)
+  kernel_scale = kernel_scale[0]
   ct = jax.random.normal(kc, (2, 8, 48))
   dequantised_kernel = kernel.astype(jnp.float32) * kernel_scale
 

@@ -67,7 +67,10 @@ def storage_finalizer(fam, transformer_dtype: Optional[str]):
     return None
   if transformer_dtype != "float8":
     raise ValueError(f"transformer_dtype={transformer_dtype!r}; use '' (same as dtype) or 'float8'")
-  quantize = jax.jit(layers.quantize_float8)
+  @jax.jit
+  def quantize(kernel):  # one scale per output channel: `kernel_scale` [..., out]
+    q, scale = layers.quantize_float8(kernel, axis=-2)
+    return q, jnp.squeeze(scale, -2)
 
   def finalize(path, value):
     if path[-1] != "kernel" or not table.matches(".".join(path[:-1]), fam.FLOAT8_TARGETS):

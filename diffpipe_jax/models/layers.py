@@ -39,7 +39,7 @@ class Linear(Module):
   The LoRA lives in its own collection, `lora/.../lora_A` [in, r] and `lora_B` [r, out] (alpha =
   r, so scale 1), so base weights and adapter are separate trees: only the adapter is
   differentiated and optimised. See `diffpipe_jax.lora`. A frozen kernel may be stored in
-  float8 with a per-output-channel `kernel_scale` (see `quantize_float8`); its matmul then runs
+  float8 with a per-output-channel `kernel_scale` (`quantize_float8`); its matmul then runs
   in float8 (`float8_matmul`).
   """
   features: int
@@ -64,18 +64,12 @@ class Linear(Module):
     return y
 
 
-def quantize_float8(kernel):
-  """float8_e4m3fn storage of a (stacked) kernel [..., in, out], kernel ~= q * scale[..., None, :]:
-  one scale per output channel, so the scale applies to the matmul's output, not the weight."""
-  # The max is exact in the kernel's own dtype; no float32 copy of a whole stacked kernel.
-  amax = jnp.abs(kernel).max(axis=-2).astype(jnp.float32)
-  scale = jnp.maximum(amax, 1e-12) / float(jnp.finfo(jnp.float8_e4m3fn).max)
-  return (kernel.astype(jnp.float32) / scale[..., None, :]).astype(jnp.float8_e4m3fn), scale
-
-
-def quantize_rows_float8(x):
-  """float8_e4m3fn rows of x with one float32 scale per row, x ~= q * scale[..., None]."""
-  amax = jnp.abs(x).max(axis=-1, keepdims=True).astype(jnp.float32)
+def quantize_float8(x, axis):
+  """float8_e4m3fn x with one float32 scale per slice along `axis` (its max maps to e4m3's max):
+  x ~= q * scale, the scale keeping `axis` as size 1. A kernel [..., in, out] takes axis=-2
+  (one scale per output channel, which then applies to the matmul's output), activations -1."""
+  # The max is exact in x's own dtype; no float32 copy of a whole stacked kernel for it.
+  amax = jnp.abs(x).max(axis=axis, keepdims=True).astype(jnp.float32)
   scale = jnp.maximum(amax, 1e-12) / float(jnp.finfo(jnp.float8_e4m3fn).max)
   return (x.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale
 
@@ -95,7 +89,7 @@ def float8_matmul(x, kernel, kernel_scale):
   x is quantised to float8 per row (token) on the fly, so the matmul runs in float8 (twice
   Hopper's bf16 rate) and the kernel is never upcast. The backward pass quantises the output
   cotangent the same way; the kernel is frozen, so only x gets a gradient."""
-  return _float8_dot(*quantize_rows_float8(x), kernel, 0, kernel_scale, x.dtype)
+  return _float8_dot(*quantize_float8(x, -1), kernel, 0, kernel_scale, x.dtype)
 
 
 def _float8_matmul_fwd(x, kernel, kernel_scale):
@@ -104,7 +98,7 @@ def _float8_matmul_fwd(x, kernel, kernel_scale):
 
 def _float8_matmul_bwd(residuals, ct):
   kernel, kernel_scale = residuals
-  return _float8_dot(*quantize_rows_float8(ct * kernel_scale), kernel, 1, 1.0, ct.dtype), None, None
+  return _float8_dot(*quantize_float8(ct * kernel_scale, -1), kernel, 1, 1.0, ct.dtype), None, None
 
 
 float8_matmul.defvjp(_float8_matmul_fwd, _float8_matmul_bwd)
