@@ -1,30 +1,20 @@
-"""diffpipe-jax: LoRA training of diffusion transformers.
+"""diffpipe-jax: LoRA training of diffusion transformers. Flags only; the job is `train.run`.
 
-  python main.py --config configs/flux.py:tiny
-  python main.py --config configs/flux.py:tiny --resume_from_checkpoint          # newest run
-  python main.py --config configs/flux.py:tiny --resume_from_checkpoint=20261130_18-00-00
-  python main.py --config configs/flux.py:tiny --cache_only [--regenerate_cache]
+  python main.py --config configs/<family>.py:tiny    # the embedded default: tiny model and data
+  python main.py --config configs/<family>.py:tiny --resume_from_checkpoint          # newest run
+  python main.py --config configs/<family>.py:tiny --resume_from_checkpoint=20261130_18-00-00
+  python main.py --config configs/<family>.py:tiny --cache_only [--regenerate_cache]
 """
-import dataclasses
-import functools
-import json
-import os
 import sys
-import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from absl import app, flags, logging
-from jax.experimental import multihost_utils
 from ml_collections import config_flags
-from tensorboardX import SummaryWriter
-from tqdm.auto import tqdm
 
-from diffpipe_jax import cache, checkpoint, data, lora, media, models, optim, sharding, tiny, train
-from diffpipe_jax.convert import CheckpointError
+from diffpipe_jax import train
+from diffpipe_jax.errors import UserError
 
-config_flags.DEFINE_config_file("config", None, "configs/*.py file, optionally :variant",
+config_flags.DEFINE_config_file("config", None, "configs/<family>.py file, optionally :variant",
                                 lock_config=True)
 flags.DEFINE_string("resume_from_checkpoint", None,
                     "continue a run: a run directory name under output_dir, or no value (or "
@@ -37,274 +27,21 @@ flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of proce
 flags.DEFINE_integer("num_processes", None, "multi-host: number of processes (one per host)")
 flags.DEFINE_integer("process_id", None, "multi-host: this process's index")
 FLAGS = flags.FLAGS
-COMPILATION_CACHE_BYTES = 16 * 2**30  # beyond this, the least recently used programs go
-
-
-def use_compilation_cache(directory: str):
-  """Keeps compiled programs in `directory` (unless JAX_COMPILATION_CACHE_DIR names another)."""
-  if directory and jax.config.jax_compilation_cache_dir is None:
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
-    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
-
-
-def prepare_paths(config):
-  """The configured checkpoint path; the tiny variant writes its pipeline and images on first use."""
-  m = config.model
-  path = m.transformer_path or m.diffusers_path
-  if not path:
-    raise app.UsageError("set --config.model.diffusers_path or --config.model.transformer_path "
-                         "(or run the embedded default: --config configs/flux.py:tiny)")
-  if config.generate_tiny:
-    if not os.path.isfile(os.path.join(m.diffusers_path, "model_index.json")):
-      print(f"writing the embedded tiny Flux pipeline to {m.diffusers_path}")
-      tiny.save_flux_pipeline(m.diffusers_path)
-    for folder, sizes in [(config.dataset.path, None)] + [
-        (e.path, ((40, 40),)) for e in config.eval_datasets.values()]:
-      if not os.path.isdir(folder):
-        print(f"writing the embedded tiny image set to {folder}")
-        tiny.write_image_dataset(folder, **({"sizes": sizes, "num_images": 4} if sizes else {}))
-  return path
-
-
-def cache_datasets(config, regenerate, build=True):
-  """Caches the training and eval datasets (PyTorch encoders, loaded when something needs
-  encoding and released afterwards); with build=False, opens the caches another process built."""
-  if not config.model.diffusers_path:
-    raise app.UsageError("caching needs model.diffusers_path for the VAE and text encoders")
-  train_settings = data.dataset_settings(config.dataset)
-  settings = {"train": train_settings, **{name: dataclasses.replace(train_settings, directories=(
-      media.DirectorySettings(path=e.path),)) for name, e in config.eval_datasets.items()}}
-  if not build:
-    return {name: data.open_cached_dataset(s, config.model.type) for name, s in settings.items()}
-  encoders = cache.ENCODERS[config.model.type].load(config.model.diffusers_path)
-  cached = {name: data.cache_dataset(s, config.model.type, encoders, encoders.pixel_multiple,
-                                     config.caching_batch_size, regenerate)
-            for name, s in settings.items()}
-  encoders.release()
-  return cached
-
-
-def from_process_0(text: str) -> str:
-  """Process 0's string on every process (a multi-host run agrees on names this way)."""
-  if jax.process_count() == 1:
-    return text
-  buf = np.zeros(1024, np.uint8)
-  buf[:len(text.encode())] = np.frombuffer(text.encode(), np.uint8)
-  return bytes(multihost_utils.broadcast_one_to_all(buf)).rstrip(b"\0").decode()
-
-
-def peak_device_memory_gib():
-  """Peak memory of the first local device so far (None where the backend does not report it)."""
-  stats = jax.local_devices()[0].memory_stats()
-  return stats["peak_bytes_in_use"] / 2**30 if stats and "peak_bytes_in_use" in stats else None
 
 
 def main(argv):
-  del argv
-  config = FLAGS.config
-  if config is None:
-    raise app.UsageError("pass --config configs/flux.py[:variant]")
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if FLAGS.config is None:
+    raise app.UsageError("pass --config configs/<family>.py[:variant]")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  use_compilation_cache(config.compilation_cache_dir)
-
-  # ---------------------------------------------------------------- mesh
   if FLAGS.multihost or FLAGS.coordinator_address:
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  is_main_process = jax.process_index() == 0  # the one that writes logs and exports
   try:
-    mesh = sharding.make_mesh(config.pipeline_stages)
-    models.remat_policy(config.activation_checkpointing, config.scan_layers,
-                        pipelined=mesh.shape["stage"] > 1, swapped=config.blocks_to_swap > 0)
-  except ValueError as e:
+    train.run(FLAGS.config, resume=FLAGS.resume_from_checkpoint, cache_only=FLAGS.cache_only,
+              regenerate_cache=FLAGS.regenerate_cache)
+  except UserError as e:  # a user's mistake: one line; anything else is our bug, with its traceback
     sys.exit(f"error: {e}")
-  data_parallel = mesh.shape["data"]
-
-  # ---------------------------------------------------------------- data (cached once)
-  family = models.family(config.model.type)
-  try:
-    # Process 0 writes the tiny default and the caches (a shared filesystem); the others wait
-    # for it, then read them.
-    path = prepare_paths(config) if is_main_process else None
-    cached = cache_datasets(config, FLAGS.regenerate_cache) if is_main_process else None
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices("datasets cached")
-      path = path or prepare_paths(config)
-      cached = cached or cache_datasets(config, FLAGS.regenerate_cache, build=False)
-    micro, accum = config.micro_batch_size_per_gpu * data_parallel, config.gradient_accumulation_steps
-    global_batch = micro * accum
-    dataset = data.Batches(cached.pop("train"), global_batch, config.seed, family.position_ids,
-                           micro_batches=accum)
-    evals = {name: data.Batches(dirs, micro, config.seed, family.position_ids, name)
-             for name, dirs in cached.items()}
-  except (ValueError, FileNotFoundError, media.MediaError) as e:
-    sys.exit(f"error: {e}")
-  if FLAGS.cache_only:
-    print("cached; exiting (--cache_only)")
-    return
-  steps_per_epoch = dataset.steps_per_epoch
-  total_steps = config.epochs * steps_per_epoch
-  total_steps = min(total_steps, config.max_steps) if config.max_steps else total_steps
-
-  # ---------------------------------------------------------------- run directory
-  resume = FLAGS.resume_from_checkpoint
-  try:
-    run_dir = "" if not is_main_process else (
-        checkpoint.resolve_resume(config.output_dir, resume or "latest")
-        if resume is not None else checkpoint.new_run_dir(config.output_dir))
-  except (FileNotFoundError, ValueError) as e:
-    sys.exit(f"error: {e}")
-  run_dir = from_process_0(run_dir)  # every process checkpoints into the same run
-  if is_main_process:
-    with open(os.path.join(run_dir, "config.json" if resume is None else "config_resumed.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-  print(f"run directory: {run_dir}; mesh {dict(mesh.shape)} over {len(jax.devices())} devices; "
-        f"global batch {global_batch}; {steps_per_epoch} steps an epoch")
-
-  # ---------------------------------------------------------------- model (frozen), on the mesh
-  try:
-    layout = sharding.make_layout(mesh, family, models.checkpoint_config(config.model.type, path),
-                                  accum, config.blocks_to_swap, config.scan_layers)
-    if layout.plan is not None:
-      print(layout.plan.describe())
-    if layout.swap:
-      print("frozen weights in pinned host memory: " + ", ".join(
-          f"{n} of the {name}, spread evenly" for name, n in layout.swap))
-    model = models.load(config.model.type, path, dtype=jnp.dtype(config.model.dtype),
-                        transformer_dtype=config.model.transformer_dtype,
-                        remat=config.activation_checkpointing, scan_layers=config.scan_layers,
-                        layout=layout)
-  except (CheckpointError, ValueError) as e:
-    sys.exit(f"error: {e}")
-  params = model.params
-
-  # ---------------------------------------------------------------- adapter and optimizer
-  # The state is created, checkpointed and exported in the plain layer layout, and trained in
-  # the layout's (per pipeline stage): `layout.create` and `to_layers` convert, inside jit.
-  tx, lr_fn = optim.make(config, total_steps)
-  init_state = functools.partial(train.init_state, layer_params=models.abstract_params(
-      family, model.module, model.config), config=config, tx=tx, family=family)
-  layer_state = jax.eval_shape(init_state, jax.random.key(config.seed))
-  replicated = sharding.tree_shardings(mesh, layer_state)
-  to_layers = jax.jit(layout.to_layers, out_shardings=replicated)  # checkpoints
-  lora_to_layers = jax.jit(layout.to_layers, out_shardings=replicated["lora"])  # exports
-  ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
-  if resume is not None:
-    state, meta = ckpt.restore(abstract_state=jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer_state, replicated))
-    state = layout.create(lambda s: s, state)
-    if meta.get("steps_per_epoch", steps_per_epoch) != steps_per_epoch:
-      sys.exit(f"error: {run_dir} was trained with {meta['steps_per_epoch']} steps an epoch, the "
-               f"data now gives {steps_per_epoch}: the dataset or batch settings changed, so the "
-               "run cannot continue where it stopped; start a new run")
-    print(f"resumed {run_dir} at step {meta['step']} (epoch {meta['epoch']})")
-  else:
-    existing = None
-    if config.adapter.init_from_existing:
-      existing = lora.load(config.adapter.init_from_existing, layer_state["lora"], family.STACKED,
-                           family.LORA_PREFIX)
-    state = layout.create(init_state, jax.random.key(config.seed), existing)
-
-  # ---------------------------------------------------------------- update step
-  step_fn = train.make_step(model, config, tx, layout)
-  eval_fn = train.make_eval(model, config, layout)
-
-  def run_evals(step):
-    """Each eval set's loss at the fixed t quantiles, with the same noise every time."""
-    for name, ev in evals.items():
-      batches = ev.iterate(0, 0, jax.process_index(), jax.process_count())
-      losses = np.mean([eval_fn(state["lora"], params, sharding.global_batch(mesh, batch, batch_axis=0),
-                                jax.random.key(i)) for i, batch in enumerate(batches)], axis=0)
-      log(step, {f"{name}/loss_quantile_{q:.2f}": v for q, v in zip(train.EVAL_QUANTILES, losses)})
-      log(step, {f"{name}/loss": losses.mean()})
-      print(f"eval {name} at step {step}: loss {losses.mean():.4f}")
-
-  last_saved_step = None
-
-  def save_lora(name):
-    nonlocal last_saved_step
-    last_saved_step = step
-    adapter = lora_to_layers(state["lora"])
-    if is_main_process:
-      path = lora.save(adapter, os.path.join(run_dir, name), family.STACKED, family.LORA_PREFIX,
-                       config.adapter.rank, np.dtype(jnp.dtype(config.save_dtype)))
-      print(f"saved LoRA: {path}")
-
-  def save_checkpoint(step):
-    epoch, batch_index = divmod(step, steps_per_epoch)  # where the data continues from
-    ckpt.save(step, to_layers(state), dict(step=step, epoch=epoch, batch_index=batch_index,
-                                           steps_per_epoch=steps_per_epoch))
-
-  # ---------------------------------------------------------------- loop
-  if is_main_process:
-    writer = SummaryWriter(run_dir)
-    metrics_log = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # the same, machine-readable
-
-  def log(step, scalars):
-    """TensorBoard scalars; each step's also to metrics.jsonl (process 0 only)."""
-    if not is_main_process:
-      return
-    for name, value in scalars.items():
-      writer.add_scalar(name, float(value), step)
-    if "train/loss" in scalars:
-      metrics_log.write(json.dumps(dict(step=step, **{k[6:]: float(v) for k, v in scalars.items()})) + "\n")
-      metrics_log.flush()
-
-  key = jax.random.key(config.seed + 1)
-  step = int(state["step"])
-  last_checkpoint_time = time.time()
-  epoch_losses = []
-  if evals and config.eval_before_first_step and step == 0:
-    run_evals(0)
-  bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
-  batch_iter, iter_epoch = None, None
-  while step < total_steps:
-    epoch, index = divmod(step, steps_per_epoch)
-    if iter_epoch != epoch:  # a new epoch, or a resumed run: the schedule continues exactly
-      batch_iter, iter_epoch = dataset.iterate(epoch, index, jax.process_index(), jax.process_count()), epoch
-    batch = next(batch_iter)
-    batches = sharding.global_batch(mesh, jax.tree.map(
-        lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch))
-    state, metrics = step_fn(state, params, batches, jax.random.fold_in(key, step))
-    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-    if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-      sys.exit(f"error: non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step + 1}; "
-               f"stopping. The last good checkpoint in {run_dir} is kept: lower optimizer.lr "
-               "or check the data, then --resume_from_checkpoint")
-    step += 1
-    lr = float(lr_fn(step - 1))
-    epoch_losses.append(loss)
-    peak_gib = peak_device_memory_gib()
-    log(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-               **({"train/peak_memory_gib": peak_gib} if peak_gib is not None else {})})
-    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", epoch=epoch + 1,
-                    **({"peak_mem": f"{peak_gib:.1f}G"} if peak_gib is not None else {}))
-    bar.update(1)
-
-    end_of_epoch = step % steps_per_epoch == 0
-    if end_of_epoch:
-      log(epoch + 1, {"train/epoch_loss": np.mean(epoch_losses)})
-      epoch_losses = []
-      if config.save_every_n_epochs and (epoch + 1) % config.save_every_n_epochs == 0:
-        save_lora(f"epoch{epoch + 1}")
-    if config.save_every_n_steps and step % config.save_every_n_steps == 0:
-      save_lora(f"step{step}")
-    if evals and ((config.eval_every_n_steps and step % config.eval_every_n_steps == 0) or (
-        end_of_epoch and config.eval_every_n_epochs and (epoch + 1) % config.eval_every_n_epochs == 0)):
-      run_evals(step)
-    due = (config.checkpoint_every_n_steps and step % config.checkpoint_every_n_steps == 0) or (
-        time.time() - last_checkpoint_time > 60 * config.checkpoint_every_n_minutes)
-    if jax.process_count() > 1:  # every process must take part in a save: process 0's clock decides
-      due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
-    if due or step == total_steps:
-      save_checkpoint(step)
-      last_checkpoint_time = time.time()
-  bar.close()
-  if is_main_process:
-    writer.close()
-    metrics_log.close()
-  if last_saved_step != step:  # always end with an exported LoRA
-    save_lora(f"step{step}" if step % steps_per_epoch else f"epoch{step // steps_per_epoch}")
-  print(f"done: {step} steps in {run_dir}")
 
 
 def bare_resume_means_latest(argv):

@@ -27,14 +27,14 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = {"no remat": dict(remat="none", transformer_dtype=""),
-         "no remat (unrolled)": dict(remat="none", transformer_dtype="", scan_layers=False),
+         "no remat (unrolled)": dict(remat="none", transformer_dtype="", unrolled=True),
          "per-block remat (save dots)": dict(remat="block_save_dots", transformer_dtype=""),
          "per-block remat": dict(remat="block", transformer_dtype=""),
-         "per-block remat (unrolled)": dict(remat="block", transformer_dtype="", scan_layers=False),
+         "per-block remat (unrolled)": dict(remat="block", transformer_dtype="", unrolled=True),
          "per-block remat (offload)": dict(remat="block_offload", transformer_dtype=""),
          "fp8 base + per-block remat": dict(remat="block", transformer_dtype="float8"),
          "fp8 base + per-block remat (unrolled)": dict(remat="block", transformer_dtype="float8",
-                                                       scan_layers=False),
+                                                       unrolled=True),
          "fp8 base + per-block remat (offload)": dict(remat="block_offload", transformer_dtype="float8")}
 CEILING_TFLOPS = 810.0  # measured bf16 matmul rate of the H200 (REFERENCE.md section 5)
 
@@ -47,9 +47,8 @@ def useful_flop(blocks, dim, tokens):
 def run_mode(a, mode, layout_name, blocks_to_swap):
   import jax
   import jax.numpy as jnp
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
-  import flux as flux_configs
-  from diffpipe_jax import models, optim, sharding, train
+  from configs import flux as flux_configs
+  from diffpipe_jax import models, optim, sharding, update
   from diffpipe_jax.models import flux
   from benchmarks.flux_forward import FLUX_DEV, SMOKE
 
@@ -61,23 +60,23 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
   devices = jax.devices()[:data * stages]
   if len(devices) < data * stages:
     raise SystemExit(f"layout {layout_name} needs {data * stages} devices, {len(devices)} visible")
-  layout = sharding.make_layout(sharding.make_mesh(stages, devices), flux, cfg, a.microbatches,
-                                int(blocks_to_swap), MODES[mode].get("scan_layers", True),
+  layout = sharding.make_layout(sharding.make_mesh(stages, devices), flux.block_stacks(cfg),
+                                a.microbatches, int(blocks_to_swap), MODES[mode].get("unrolled", False),
                                 **({"tick_overhead": a.tick_overhead} if a.tick_overhead else {}))
   if layout.plan:
     print(layout.plan.describe(), file=sys.stderr)
   model = models.init_random("flux", cfg, jax.random.key(0), dtype=dtype, layout=layout, **MODES[mode])
   tx, _ = optim.make(config, 1000)
   state = layout.create(functools.partial(
-      train.init_state, layer_params=models.abstract_params(flux, model.module, cfg), config=config,
-      tx=tx, family=flux), jax.random.key(1))
+      update.init_state, layer_params=models.abstract_params(flux.FAMILY, model.module, cfg),
+      config=config, tx=tx, family=flux.FAMILY), jax.random.key(1))
   grid = a.res // 16
   samples = data * a.microbatches  # one sample per microbatch and data-parallel replica
   batch = jax.tree.map(lambda x: x.reshape(a.microbatches, data, *x.shape[1:]).astype(
       dtype if x.ndim == 3 and x.shape[-1] != 3 else x.dtype),
       flux.random_batch(cfg, samples, grid, grid, a.txt))
   batches = sharding.global_batch(layout.mesh, batch)
-  step = train.make_step(model, config, tx, layout)
+  step = update.make_step(model, config, tx, layout)
   memory = lambda key: max((d.memory_stats() or {}).get(key, 0) for d in devices) / 2**30
   resident = memory("bytes_in_use")  # weights + state, per GPU
   t0 = time.perf_counter()

@@ -10,6 +10,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 from PIL import Image
 
+from diffpipe_jax.errors import UserError
+
 
 class Bucket(NamedTuple):
   width: int
@@ -21,9 +23,9 @@ def ar_buckets(min_ar: float, max_ar: float, num_ar_buckets: int) -> list:
   """`num_ar_buckets` aspect ratios (w/h) evenly spaced in log space, min_ar and max_ar included:
   portrait and landscape get mirror-image buckets when min_ar = 1/max_ar."""
   if not 0 < min_ar <= max_ar:
-    raise ValueError(f"need 0 < min_ar <= max_ar, got min_ar={min_ar}, max_ar={max_ar}")
+    raise UserError(f"need 0 < min_ar <= max_ar, got min_ar={min_ar}, max_ar={max_ar}")
   if num_ar_buckets < 1:
-    raise ValueError(f"num_ar_buckets={num_ar_buckets}; need at least 1")
+    raise UserError(f"num_ar_buckets={num_ar_buckets}; need at least 1")
   return [float(a) for a in np.geomspace(min_ar, max_ar, num_ar_buckets)]
 
 
@@ -31,7 +33,7 @@ def explicit_ars(values: Sequence) -> list:
   """An explicit `ar_buckets` list: ratios (1.5) or [width, height] pairs ([768, 512])."""
   ars = [v[0] / v[1] if isinstance(v, (list, tuple)) else float(v) for v in values]
   if not ars or min(ars) <= 0:
-    raise ValueError(f"ar_buckets={list(values)}; need positive ratios or [width, height] pairs")
+    raise UserError(f"ar_buckets={list(values)}; need positive ratios or [width, height] pairs")
   return ars
 
 
@@ -53,7 +55,7 @@ def size_buckets(resolutions: Sequence[int], ars: Sequence[float], multiple: int
 def frame_buckets(values: Sequence[int]) -> list:
   """Sorted unique frame counts; 1 (still images) is always one of them."""
   if any(int(v) < 1 for v in values):
-    raise ValueError(f"frame_buckets={list(values)}; frame counts must be >= 1")
+    raise UserError(f"frame_buckets={list(values)}; frame counts must be >= 1")
   return sorted({1, *(int(v) for v in values)})
 
 

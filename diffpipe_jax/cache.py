@@ -1,9 +1,8 @@
 """Pre-computed VAE latents and text embeddings, encoded once in PyTorch so training is pure JAX.
 
-Encoders are a table of rows (`ENCODERS`), one per model family, each an `Encoders` subclass that
-loads from a diffusers folder and turns pixels into packed latents and captions into the
-embeddings its transformer reads. LTX-Video (T5 only, video VAE) and HunyuanVideo (LLaMA with a
-prompt template + CLIP) are new rows with the same five methods.
+The encoders are a model family's (`encoders.Encoders`, from its torch side): they turn pixels
+into the latents and captions into the embeddings its transformer reads, and say what they are
+(`identity`) and how a bucket's latents are laid out (`latent_grid`). This module only stores.
 
 Format, in `<dataset dir>/cache/<model>/`:
 
@@ -21,7 +20,7 @@ into a single shard in key order, then `manifest.json` (the only thing readers o
 into place and files it does not name are deleted; nothing half-written is ever read.
 
 Position ids are left to the caller: they are the same for every item of a bucket, so they are
-not stored; `Cache.grid(bucket)` gives the latent grid (Flux: `flux.image_ids(*cache.grid(b))`).
+not stored; `Cache.grid(bucket)` gives the latent grid (a family's `position_ids(grid)`).
 """
 import hashlib
 import json
@@ -36,150 +35,6 @@ from diffpipe_jax.files import atomic_write
 
 MANIFEST = "manifest.json"
 EMPTY = "empty"
-
-
-def default_device():
-  import torch
-  return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def folder_digest(path):
-  """Hashes a component folder: small files (configs, tokenizers) by content, weights by name and
-  size, so a different checkpoint with the same config still changes the fingerprint."""
-  h = hashlib.sha256()
-  for name in sorted(os.listdir(path)):
-    full = os.path.join(path, name)
-    if not os.path.isfile(full):
-      continue
-    size = os.path.getsize(full)
-    h.update(f"{name}:{size}\n".encode())
-    if size < (1 << 20):
-      with open(full, "rb") as f:
-        h.update(f.read())
-  return h.hexdigest()[:16]
-
-
-class Encoders:
-  """One model family's frozen encoders, loaded on first use: a cache that is already complete
-  never loads them. Subclasses set `components` (diffusers subfolder -> (attribute, class)) and
-  implement `load` (settings only), `load_models`, `encode_media`, `encode_text`, `latent_grid`."""
-  components = {}
-
-  def __init__(self, path, device, dtype, options):
-    self.path, self.device, self.dtype, self.options = path, device, dtype, options
-
-  def __getattr__(self, name):  # only reached while a component is not loaded yet
-    if name in {attr for attr, _ in self.components.values()}:
-      print(f"loading the encoders from {self.path} ({self.device})")
-      self.load_models()
-      return self.__dict__[name]
-    raise AttributeError(name)
-
-  def identity(self) -> str:
-    """Class names and folder hashes of every component, plus dtype and options: part of every
-    fingerprint, so swapping an encoder or a setting re-encodes the cache."""
-    parts = [type(self).__name__, str(self.dtype).replace("torch.", ""),
-             json.dumps(self.options, sort_keys=True)]
-    for sub, (_, class_name) in self.components.items():
-      parts.append(f"{sub}={class_name}:{folder_digest(os.path.join(self.path, sub))}")
-    return "|".join(parts)
-
-  def config(self, sub) -> dict:
-    """A component's config.json, read without loading the model."""
-    with open(os.path.join(self.path, sub, "config.json")) as f:
-      return json.load(f)
-
-  def release(self):
-    """Frees the models (and their GPU memory) before training starts."""
-    import torch
-    for attr, _ in self.components.values():
-      self.__dict__.pop(attr, None)
-    if torch.cuda.is_available():
-      torch.cuda.empty_cache()
-
-
-class FluxEncoders(Encoders):
-  """FLUX.1: AutoencoderKL latents 2x2-packed; T5 last hidden state and CLIP pooled output."""
-  components = {"vae": ("vae", "AutoencoderKL"), "tokenizer": ("clip_tokenizer", "CLIPTokenizer"),
-                "text_encoder": ("clip", "CLIPTextModel"),
-                "tokenizer_2": ("t5_tokenizer", "T5TokenizerFast"),
-                "text_encoder_2": ("t5", "T5EncoderModel")}
-
-  @classmethod
-  def load(cls, path, device=None, dtype=None, max_sequence_length=512):
-    """The encoders of a diffusers FLUX folder (loaded when first needed); float32 on CPU,
-    bfloat16 on CUDA unless told."""
-    import torch
-    missing = [sub for sub in cls.components if not os.path.isdir(os.path.join(path, sub))]
-    if missing:
-      raise FileNotFoundError(f"{path} lacks the encoder folder(s) {missing}: model.diffusers_path "
-                              "must be a diffusers FLUX.1 pipeline folder (with vae/, text_encoder/, ...)")
-    device = device or default_device()
-    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    return cls(path, device, dtype, dict(max_sequence_length=max_sequence_length))
-
-  def load_models(self):
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-    sub = lambda name: os.path.join(self.path, name)
-    model = lambda cls, name: cls.from_pretrained(sub(name), dtype=self.dtype).to(self.device).eval()
-    self.vae = AutoencoderKL.from_pretrained(sub("vae"), torch_dtype=self.dtype).to(self.device).eval()
-    self.clip_tokenizer = CLIPTokenizer.from_pretrained(sub("tokenizer"))
-    self.clip = model(CLIPTextModel, "text_encoder")
-    self.t5_tokenizer = T5TokenizerFast.from_pretrained(sub("tokenizer_2"))
-    self.t5 = model(T5EncoderModel, "text_encoder_2")
-
-  @property
-  def spatial_factor(self):
-    return 2 ** (len(self.config("vae")["block_out_channels"]) - 1)
-
-  @property
-  def pixel_multiple(self):
-    """Bucket sides must be multiples of this: the VAE factor, then 2x2 packing."""
-    return 2 * self.spatial_factor
-
-  def latent_grid(self, frames, height, width):
-    """Packed token grid (rows, columns) of a bucket: VAE factor, then 2x2 patches."""
-    return (height // self.pixel_multiple, width // self.pixel_multiple)
-
-  def encode_images(self, pixels):
-    """[B, 3, H, W] in [-1, 1] -> packed latents [B, (h/2)*(w/2), 4*C], as FluxPipeline packs.
-
-    The posterior mean, not a sample: the cache is then reproducible, and a sample drawn once
-    would freeze one fixed perturbation per item anyway (Flux's posterior std is tiny)."""
-    import torch
-    cfg = self.vae.config
-    with torch.no_grad():
-      z = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist.mean
-    z = (z - cfg.shift_factor) * cfg.scaling_factor
-    b, c, h, w = z.shape
-    z = z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return z.reshape(b, (h // 2) * (w // 2), c * 4)
-
-  def encode_media(self, pixels):
-    """np [B, F, H, W, 3] (F = 1) -> np float32 packed latents."""
-    import torch
-    if pixels.shape[1] != 1:
-      raise ValueError(f"Flux encodes images only, got {pixels.shape[1]} frames")
-    x = torch.from_numpy(np.ascontiguousarray(pixels[:, 0].transpose(0, 3, 1, 2)))
-    return self.encode_images(x).float().cpu().numpy()
-
-  def encode_text(self, captions):
-    """Captions -> dict(text=[B, T, D] T5 last hidden state, pooled=[B, D'] CLIP pooled output),
-    tokenised as FluxPipeline.encode_prompt does (padded to max length, truncated, no mask)."""
-    import torch
-    captions = list(captions)
-    tokens = lambda tok, n: tok(captions, padding="max_length", max_length=n, truncation=True,
-                                return_tensors="pt").input_ids.to(self.device)
-    with torch.no_grad():
-      pooled = self.clip(tokens(self.clip_tokenizer, self.clip_tokenizer.model_max_length),
-                         output_hidden_states=False).pooler_output
-      text = self.t5(tokens(self.t5_tokenizer, self.options["max_sequence_length"]),
-                     output_hidden_states=False)[0]
-    return dict(text=text.float().cpu().numpy(), pooled=pooled.float().cpu().numpy())
-
-
-ENCODERS = {"flux": FluxEncoders}
 
 
 def fingerprint(identity, item) -> str:
@@ -353,17 +208,17 @@ class Cache:
     return list(self.entries[tuple(bucket)][1]["keys"])
 
   def grid(self, bucket):
-    """The packed latent grid of a bucket (Flux: (rows, columns)), for position ids."""
+    """The latent grid of a bucket (as the encoders' `latent_grid` gave it), for position ids."""
     return tuple(self.entries[tuple(bucket)][1]["grid"])
 
   def get(self, bucket, index):
-    """Item `index` (int or index array) of a bucket: latents [L, C], text [T, D], pooled [D'];
-    read-only memory-mapped views."""
+    """Item `index` (int or index array) of a bucket: every field the encoders made (latents
+    and the text embeddings), as read-only memory-mapped views."""
     name, b = self.entries[tuple(bucket)]
     return {k: v[index] for k, v in self._fields(name, b["shard"]).items()}
 
   def empty_text(self):
-    """The empty caption's embeddings (text [T, D], pooled [D']), for caption dropout."""
+    """The empty caption's embeddings (every text field), for caption dropout."""
     return {k: v[0] for k, v in self._fields(EMPTY, self.manifest["empty"]).items()}
 
   def __len__(self):

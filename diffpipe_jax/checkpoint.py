@@ -17,6 +17,8 @@ import time
 import orbax.checkpoint as ocp
 from etils import epath
 
+from diffpipe_jax.errors import UserError
+
 STEP_PREFIX = "global_step"
 COMMIT_FILE = "commit_success.txt"  # orbax writes it into the tmp dir before the rename
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -73,17 +75,17 @@ def resolve_resume(output_dir: str, resume) -> str | None:
     runs = sorted(name for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
                   if complete_steps(os.path.join(output_dir, name)))
     if not runs:
-      raise FileNotFoundError(
+      raise UserError(
           f"no run under {output_dir} has a complete checkpoint ({STEP_PREFIX}N/ with "
           f"{COMMIT_FILE}); start without --resume_from_checkpoint")
     return os.path.join(output_dir, runs[-1])
   run_dir = os.path.join(output_dir, resume)  # an absolute `resume` replaces output_dir
   if not os.path.isdir(run_dir):
     found = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
-    raise FileNotFoundError(f"--resume_from_checkpoint={resume}: no run dir {run_dir}; runs under "
+    raise UserError(f"--resume_from_checkpoint={resume}: no run dir {run_dir}; runs under "
                             f"{output_dir}: {found or 'none'}")
   if not complete_steps(run_dir):
-    raise ValueError(f"--resume_from_checkpoint={resume}: {run_dir} has no complete checkpoint "
+    raise UserError(f"--resume_from_checkpoint={resume}: {run_dir} has no complete checkpoint "
                      f"({STEP_PREFIX}N/ with {COMMIT_FILE}); incomplete: "
                      f"{incomplete_checkpoints(run_dir) or 'none'}")
   return run_dir
@@ -104,7 +106,7 @@ class StepNameFormat(ocp.step.NameFormat):
   def find_step(self, base_path, step: int):
     path = epath.Path(base_path) / self.build_name(step)
     if not is_complete(path):
-      raise ValueError(f"no complete checkpoint {path}")
+      raise UserError(f"no complete checkpoint {path}")
     return ocp.step.Metadata(step=step, path=path)
 
 

@@ -15,6 +15,7 @@ import grain
 import numpy as np
 
 from diffpipe_jax import buckets, cache, media
+from diffpipe_jax.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +30,11 @@ def dataset_settings(dataset_config) -> media.DatasetSettings:
   toml_path = d.pop("toml_path", "")
   settings = media.settings_from_toml(toml_path) if toml_path else media.settings_from_dict(d)
   if settings.shuffle_tags:
-    raise ValueError("shuffle_tags needs the text encoded at every step, but text embeddings are "
+    raise UserError("shuffle_tags needs the text encoded at every step, but text embeddings are "
                      "cached once: set shuffle_tags = false")
   masked = [d.path for d in settings.directories if d.mask_path]
   if masked:
-    raise ValueError(f"mask_path (set for {masked}) is not supported yet: masks are not cached "
+    raise UserError(f"mask_path (set for {masked}) is not supported yet: masks are not cached "
                      "or applied to the loss; remove mask_path")
   return settings
 
@@ -54,12 +55,13 @@ def cache_items(directory: media.DirectorySettings, items: Sequence[media.Item],
   return entries
 
 
-def cache_dataset(settings: media.DatasetSettings, model_type: str, encoders, multiple: int,
-                  batch_size: int, regenerate=False, fps=None) -> List[CachedDirectory]:
-  """Scans and caches every directory into `<directory>/cache/<model_type>/`."""
+def cache_dataset(settings: media.DatasetSettings, model_type: str, encoders, batch_size: int,
+                  regenerate=False, fps=None) -> List[CachedDirectory]:
+  """Scans and caches every directory into `<directory>/cache/<model_type>/`, bucket sides
+  multiples of the encoders' `pixel_multiple`."""
   out = []
   for directory, items in media.scan_dataset(settings):
-    entries = cache_items(directory, items, multiple, fps)
+    entries = cache_items(directory, items, encoders.pixel_multiple, fps)
     cache_dir = os.path.join(directory.path, "cache", model_type)
     out.append(CachedDirectory(cache.build_cache(cache_dir, entries, encoders, batch_size, regenerate),
                                directory.num_repeats))
@@ -72,7 +74,7 @@ def open_cached_dataset(settings: media.DatasetSettings, model_type: str) -> Lis
     return [CachedDirectory(cache.Cache(os.path.join(d.path, "cache", model_type)), d.num_repeats)
             for d in map(settings.resolve, settings.directories)]
   except FileNotFoundError as e:
-    raise FileNotFoundError(f"no finished cache where process 0 should have written it ({e}): "
+    raise UserError(f"no finished cache where process 0 should have written it ({e}): "
                             "all hosts must see the dataset folders on a shared filesystem") from e
 
 
@@ -97,7 +99,7 @@ class Batches:
     dropped = {b: len(rows) for b, rows in groups.items() if b not in self.groups}
     counts = ", ".join(f"{w}x{h}x{f}: {len(rows)}" for (w, h, f), rows in sorted(groups.items()))
     if not self.groups:
-      raise ValueError(
+      raise UserError(
           f"{name}: no bucket holds a full global batch of {global_batch} (micro batch x data "
           f"parallel x accumulation); items per bucket (width x height x frames): {counts or 'none'}. "
           "Add images, raise num_repeats, use fewer resolutions/AR buckets, or lower the batch")
@@ -125,9 +127,9 @@ class Batches:
     rows = [row for m in range(self.micro_batches)
             for row in rows[(m * process_count + process_index) * per:][:per]]
     items = [self.directories[d].cache.get(bucket, r) for d, r in rows]
-    out = {k: np.stack([it[k] for it in items]) for k in ("latents", "text", "pooled")}
+    out = {k: np.stack([it[k] for it in items]) for k in items[0]}  # every cached field
     ids = self.position_ids(self.directories[rows[0][0]].cache.grid(bucket))
-    out["img_ids"] = np.broadcast_to(ids, (len(rows),) + ids.shape)
+    out["position_ids"] = np.broadcast_to(ids, (len(rows),) + ids.shape)
     return out
 
   def iterate(self, epoch: int, start: int = 0, process_index=0, process_count=1):

@@ -1,23 +1,24 @@
-"""The flow-matching training objective shared by Flux, LTX-Video and HunyuanVideo.
+"""The flow-matching training objective that every family shares.
 
 x_t = (1 - t) x_0 + t * noise, the model predicts the velocity noise - x_0, loss = fp32 MSE.
-Timesteps follow diffusion-pipe's options: logit-normal or uniform, then an optional shift.
+Timesteps follow diffusion-pipe's options: logit-normal or uniform, then an optional shift (a
+family may shift by resolution instead: `Family.shift_timesteps`).
 """
 import jax
 import jax.numpy as jnp
 
-
-def flux_shift_mu(image_tokens):
-  """FLUX's resolution-dependent shift: mu linear in image tokens, 0.5 at 256 to 1.15 at 4096."""
-  return 0.5 + (1.15 - 0.5) * (image_tokens - 256) / (4096 - 256)
+from diffpipe_jax.errors import UserError
 
 
-def shift_timesteps(t, shift=1.0, flux_shift=False, image_tokens=None):
-  """t' = s t / (1 + (s - 1) t); with flux_shift, t' = e^mu / (e^mu + 1/t - 1) instead."""
-  if flux_shift:
-    e_mu = jnp.exp(flux_shift_mu(image_tokens))
-    return e_mu / (e_mu + 1 / t - 1)
+def shift_timesteps(t, shift=1.0):
+  """t' = s t / (1 + (s - 1) t)."""
   return shift * t / (1 + (shift - 1) * t)
+
+
+def exponential_shift(t, mu):
+  """t' = e^mu / (e^mu + 1/t - 1): the shift of diffusers' pipelines with dynamic shifting."""
+  e_mu = jnp.exp(mu)
+  return e_mu / (e_mu + 1 / t - 1)
 
 
 def quantile_timesteps(q, method="logit_normal", sigmoid_scale=1.0):
@@ -26,7 +27,7 @@ def quantile_timesteps(q, method="logit_normal", sigmoid_scale=1.0):
     return jax.nn.sigmoid(jax.scipy.special.ndtri(q) * sigmoid_scale)
   if method == "uniform":
     return q
-  raise ValueError(f"model.timestep_sample_method={method!r}; use 'logit_normal' or 'uniform'")
+  raise UserError(f"model.timestep_sample_method={method!r}; use 'logit_normal' or 'uniform'")
 
 
 def sample_timesteps(key, batch, method="logit_normal", sigmoid_scale=1.0):

@@ -1,10 +1,11 @@
 """LoRA adapters as data: which Linear layers get one, their initialisation, and their export to
 (and import from) the diffusers/PEFT safetensors format that ComfyUI and diffusers load.
 
-Targets are regular expressions over module names in diffusers spelling without block indices
-(`transformer_blocks.attn.to_q`, `single_transformer_blocks.proj_mlp`); every pattern must match
-at least one Linear, so a typo is an error rather than a silently smaller adapter. The exported
-names come from the same Flax <-> diffusers naming rule that loads the base weights.
+Targets are a family's regular expressions over module names without block indices (the Flax
+names joined by ".", e.g. `transformer_blocks.attn.to_q`); every pattern must match at least one
+Linear, so a typo is an error rather than a silently smaller adapter. A family's Flax names
+mirror its LoRA export format, so the exported names come from the same naming rule that loads
+the base weights, behind the family's `lora_prefix`.
 """
 import json
 import os
@@ -17,6 +18,8 @@ import numpy as np
 
 from diffpipe_jax.convert import table
 from diffpipe_jax.convert.tensorfile import CheckpointError, TensorFiles, write_safetensors
+from diffpipe_jax.errors import UserError
+from diffpipe_jax.family import Family
 
 WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 
@@ -32,7 +35,7 @@ def select_targets(abstract_params, patterns: Sequence[str]) -> list:
   names = linear_modules(abstract_params)
   unmatched = [p for p in patterns if not any(table.matches(n, [p]) for n in names)]
   if unmatched:
-    raise ValueError(f"adapter target pattern(s) {unmatched} match no Linear layer; Linear layers "
+    raise UserError(f"adapter target pattern(s) {unmatched} match no Linear layer; Linear layers "
                      f"are named like {sorted(names)[:6]}")
   return sorted(n for n in names if table.matches(n, patterns))
 
@@ -52,7 +55,7 @@ def init(abstract_params, patterns: Sequence[str], rank: int, dtype, key) -> dic
 
 
 def to_torch(lora, stacked: Sequence[str], prefix: str) -> dict:
-  """Our adapter -> {f"{prefix}{diffusers module}.lora_A.weight": (r, in), ...lora_B: (out, r)}."""
+  """Our adapter -> {f"{prefix}{exported module}.lora_A.weight": (r, in), ...lora_B: (out, r)}."""
   out = {}
   for path, value in table.flatten(lora).items():
     value = np.asarray(jax.device_get(value))
@@ -86,10 +89,11 @@ def from_torch(tensors: Mapping[str, np.ndarray], abstract_lora, stacked: Sequen
   return table.unflatten(flat)
 
 
-def save(lora, directory: str, stacked: Sequence[str], prefix: str, rank: int, save_dtype):
+def save(lora, directory: str, family: Family, rank: int, save_dtype):
   """Writes `directory/pytorch_lora_weights.safetensors` (+ PEFT `adapter_config.json`) through a
   temporary directory renamed into place, so a crash never leaves half an adapter."""
-  tensors = {k: v.astype(save_dtype) for k, v in to_torch(lora, stacked, prefix).items()}
+  prefix = family.lora_prefix
+  tensors = {k: v.astype(save_dtype) for k, v in to_torch(lora, family.stacked, prefix).items()}
   modules = sorted({k[len(prefix):].rsplit(".lora_", 1)[0] for k in tensors})
   config = dict(peft_type="LORA", r=rank, lora_alpha=rank, target_modules=modules, lora_dropout=0.0,
                 bias="none", use_dora=False, use_rslora=False, init_lora_weights=True,
@@ -106,9 +110,10 @@ def save(lora, directory: str, stacked: Sequence[str], prefix: str, rank: int, s
   return os.path.join(directory, WEIGHTS_NAME)
 
 
-def load(path: str, abstract_lora, stacked: Sequence[str], prefix: str):
+def load(path: str, abstract_lora, family: Family):
   """Reads an adapter written by `save` (a directory or the .safetensors file itself)."""
   if os.path.isdir(path):
     path = os.path.join(path, WEIGHTS_NAME)
   files = TensorFiles([path])
-  return from_torch({k: files[k] for k in files.keys()}, abstract_lora, stacked, prefix)
+  return from_torch({k: files[k] for k in files.keys()}, abstract_lora, family.stacked,
+                    family.lora_prefix)

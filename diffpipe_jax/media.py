@@ -19,6 +19,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from diffpipe_jax import buckets
+from diffpipe_jax.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ _HASH_CHUNK = 1 << 20
 _MAX_NAMES = 20  # file names listed in one warning
 
 
-class MediaError(ValueError):
+class MediaError(UserError):
   """A dataset file or directory that cannot be used; the message names it."""
 
 
@@ -142,7 +143,7 @@ def scan_directory(path: str, caption_prefix: str = "", mask_path: Optional[str]
   both are warned about. An unreadable file is skipped with a warning, or raises when
   on_error="raise"."""
   if on_error not in ("warn", "raise"):
-    raise ValueError(f"on_error={on_error!r}; use 'warn' or 'raise'")
+    raise UserError(f"on_error={on_error!r}; use 'warn' or 'raise'")
   if not os.path.isdir(path):
     raise MediaError(f"dataset directory {path!r} does not exist or is not a directory")
   if mask_path is not None and not os.path.isdir(mask_path):
@@ -222,7 +223,7 @@ def read_frames(item: Item, fps: Optional[float] = None, max_frames: Optional[in
   """uint8 [F, H, W, 3]. Images: F = 1. Videos: resampled to `fps` (the model's frame rate; None
   keeps every frame), then cut to `max_frames` from the beginning or the middle of the clip."""
   if video_clip_mode not in CLIP_MODES:
-    raise ValueError(f"video_clip_mode={video_clip_mode!r}; use one of {CLIP_MODES}")
+    raise UserError(f"video_clip_mode={video_clip_mode!r}; use one of {CLIP_MODES}")
   try:
     if item.kind == "image":
       return _read_image(item.path)
@@ -318,14 +319,14 @@ def _tuples(v):
 def _check_keys(d: dict, known: set, where: str):
   unknown = set(d) - known
   if unknown:
-    raise ValueError(f"unknown key(s) {sorted(unknown)} in {where}; known keys: {sorted(known)}")
+    raise UserError(f"unknown key(s) {sorted(unknown)} in {where}; known keys: {sorted(known)}")
 
 
 def _directory(d: dict, where: str) -> DirectorySettings:
   known = {f.name for f in dataclasses.fields(DirectorySettings)}
   _check_keys(d, known, where)
   if not d.get("path"):
-    raise ValueError(f"{where} has no path")
+    raise UserError(f"{where} has no path")
   out = DirectorySettings(**{k: _tuples(v) for k, v in d.items()})
   for key in ("path", "mask_path"):
     p = getattr(out, key)
@@ -336,14 +337,14 @@ def _directory(d: dict, where: str) -> DirectorySettings:
 
 def _validate(s: DatasetSettings, where: str) -> DatasetSettings:
   if not s.directories:
-    raise ValueError(f"{where} lists no dataset directory")
+    raise UserError(f"{where} lists no dataset directory")
   if s.video_clip_mode not in CLIP_MODES:
-    raise ValueError(f"{where}: video_clip_mode={s.video_clip_mode!r}; use one of {CLIP_MODES}")
+    raise UserError(f"{where}: video_clip_mode={s.video_clip_mode!r}; use one of {CLIP_MODES}")
   for d in map(s.resolve, s.directories):
     if not d.resolutions or any(not isinstance(r, int) or r <= 0 for r in d.resolutions):
-      raise ValueError(f"{where}: resolutions={d.resolutions} for {d.path!r}; need positive ints")
+      raise UserError(f"{where}: resolutions={d.resolutions} for {d.path!r}; need positive ints")
     if not isinstance(d.num_repeats, int) or d.num_repeats < 1:
-      raise ValueError(f"{where}: num_repeats={d.num_repeats} for {d.path!r}; need an int >= 1")
+      raise UserError(f"{where}: num_repeats={d.num_repeats} for {d.path!r}; need an int >= 1")
     directory_buckets(d, 1)  # AR range and frame bucket errors now, not at caching time
   return s
 

@@ -2,6 +2,8 @@
 import jax
 import optax
 
+from diffpipe_jax.errors import UserError
+
 
 def schedule(lr, warmup_steps, total_steps, kind="constant"):
   """Linear warm-up from 0, then constant, linear decay to 0, or cosine decay to 0."""
@@ -10,7 +12,7 @@ def schedule(lr, warmup_steps, total_steps, kind="constant"):
            "linear": lambda: optax.linear_schedule(lr, 0.0, decay_steps),
            "cosine": lambda: optax.cosine_decay_schedule(lr, decay_steps)}
   if kind not in after:
-    raise ValueError(f"lr_scheduler={kind!r}; use one of {sorted(after)}")
+    raise UserError(f"lr_scheduler={kind!r}; use one of {sorted(after)}")
   if warmup_steps <= 0:
     return after[kind]()
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup_steps), after[kind]()],
@@ -21,7 +23,7 @@ def make(config, total_steps):
   """AdamW (no weight decay on 1-D parameters) after global-norm clipping; returns (tx, lr_fn)."""
   o = config.optimizer
   if o.type.lower() != "adamw":
-    raise ValueError(f"optimizer.type={o.type!r}; supported: 'adamw'")
+    raise UserError(f"optimizer.type={o.type!r}; supported: 'adamw'")
   lr = schedule(o.lr, config.warmup_steps, total_steps, config.lr_scheduler)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
   adamw = optax.adamw(lr, b1=o.betas[0], b2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,

@@ -1,13 +1,13 @@
 """A function of unrolled layers run as a sequence of programs rather than one.
 
-XLA compiles a program of every unrolled layer (57 at Flux size) in minutes: most of that time
-grows with the program's size. Here the function is traced once per argument shapes and cut at
-its calls of `layers.block_program`: each call is a piece whose programs every layer of a stack
-shares, and each stretch of work between calls (the embedders, the loss) is a piece of its own.
+XLA compiles a program of every unrolled layer of a full-size model in minutes: most of that
+time grows with the program's size. Here the function is traced once per argument shapes and cut
+at its calls of functions made by `cut_point` (a model's block): each call is a piece whose
+programs every layer of a stack shares, and each stretch of work between calls (the embedders, the loss) is a piece of its own.
 `split` runs the pieces' programs in order; `value_and_grad` runs each piece's forward program
 (which returns its residuals) in order, then the backward programs in reverse. Every program is
 called from Python through jit's own dispatch, so the GPU runs them back to back while Python
-dispatches the next ones ahead (at Flux size the step is as fast as one program's).
+dispatches the next ones ahead (as fast as one program: BENCHMARKS.md).
 
 A block call under `jax.checkpoint` (per-block remat) keeps the residuals its policy saves; an
 input in pinned host memory (a swapped block's frozen weights) is copied to the device a few
@@ -22,7 +22,18 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core
 
-from diffpipe_jax.models import layers
+
+CUT_PREFIX = "programs_cut_point__"  # the jit name of a function made by `cut_point`
+
+
+def cut_point(fn, **jit_options):
+  """fn jitted (`jit_options` as jax.jit takes them): inlined where the caller is jitted whole,
+  and a piece of its own, shared by every call of it, where `split` or `value_and_grad` runs the
+  caller."""
+  def piece(*args, **kwargs):
+    return fn(*args, **kwargs)
+  piece.__name__ = piece.__qualname__ = CUT_PREFIX + fn.__name__
+  return jax.jit(piece, **jit_options)
 
 
 def keeps_for_backward(prim, *_, **__) -> bool:
@@ -43,9 +54,9 @@ class Piece:
 
 
 def block_call(eqn) -> Optional[tuple]:
-  """(the block's jaxpr, its residual policy) if a jaxpr equation calls `layers.block_program`,
+  """(the block's jaxpr, its residual policy) if a jaxpr equation calls a `cut_point` function,
   alone or as the whole of a `jax.checkpoint` (whose policy it then takes); else None."""
-  if eqn.params.get("name") == layers.apply_block.__name__ and "jaxpr" in eqn.params:
+  if str(eqn.params.get("name", "")).startswith(CUT_PREFIX) and "jaxpr" in eqn.params:
     return eqn.params["jaxpr"], keeps_for_backward
   body = eqn.params.get("jaxpr")
   if "policy" in eqn.params and isinstance(body, core.Jaxpr) and len(body.eqns) == 1:
@@ -141,8 +152,8 @@ class _Differentiated:
     return diff + rest
 
 
-# A swapped block's weights (0.28 GB for a Flux single block) take about 3x its forward pass to
-# copy at 50 GB/s: the copy starts this many programs before the program that reads them ...
+# A swapped block's weights take a few times its forward pass to copy (BENCHMARKS.md): the
+# copy starts this many programs before the program that reads them ...
 COPY_AHEAD = 6
 # ... once the program this many before the current one has finished, since Python runs far
 # ahead of the device: the device holds the copies of at most COPY_AHEAD + COPY_WAIT programs.

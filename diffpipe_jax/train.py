@@ -1,173 +1,278 @@
-"""The training step: flow-matching loss of the model with a LoRA, averaged over the step's
-micro-batches inside one jitted update: one micro-batch after another on each device, or all of
-them at once as the microbatches of a pipeline over the mesh's 'stage' axis."""
-import concurrent.futures
+"""LoRA training of any model family: `run(config)` is the whole job (data, model, state, the
+update of `update.py`, evals, saves, the loop), and what `main.py` calls after its flags."""
 import dataclasses
 import functools
+import json
+import os
+import time
 
 import jax
 import jax.numpy as jnp
-import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+from jax.experimental import multihost_utils
+from tensorboardX import SummaryWriter
+from tqdm.auto import tqdm
 
-from diffpipe_jax import flow, lora, programs
-from diffpipe_jax.models import layers
+from diffpipe_jax import checkpoint, data, lora, media, models, optim, sharding, stacks, tiny
+from diffpipe_jax import family as family_lib
+from diffpipe_jax.errors import UserError
+from diffpipe_jax.update import EVAL_QUANTILES, init_state, make_eval, make_step
+
+COMPILATION_CACHE_BYTES = 16 * 2**30  # beyond this, the least recently used programs go
 
 
-EVAL_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+def every(step: int, n: int) -> bool:
+  """Whether a periodic action set to every `n` (steps or epochs; 0: never) is due at `step`."""
+  return bool(n) and step % n == 0
 
 
-def model_inputs(batch, key, *, model, config, quantile=None):
-  """(model inputs, flow-matching target, dropout key) for a micro-batch of cached samples.
-  With `quantile`, t is that quantile of the timestep distribution for every sample (evals)."""
-  m = config.model
-  latents = batch["latents"]
-  k_t, k_noise, k_dropout = jax.random.split(key, 3)
-  if quantile is None:
-    t = flow.sample_timesteps(k_t, latents.shape[0], m.timestep_sample_method, m.sigmoid_scale)
+class MetricWriter:
+  """TensorBoard scalars, and each training step's also to `metrics.jsonl` (machine-readable);
+  written by process 0 only."""
+
+  def __init__(self, run_dir: str, enabled: bool):
+    self.enabled = enabled
+    if enabled:
+      self.board = SummaryWriter(run_dir)
+      self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+  def write(self, step: int, scalars: dict):
+    if not self.enabled:
+      return
+    for name, value in scalars.items():
+      self.board.add_scalar(name, float(value), step)
+    if "train/loss" in scalars:
+      self.jsonl.write(json.dumps(dict(step=step, **{k[6:]: float(v) for k, v in scalars.items()})) + "\n")
+      self.jsonl.flush()
+
+  def close(self):
+    if self.enabled:
+      self.board.close()
+      self.jsonl.close()
+
+
+def use_compilation_cache(directory: str):
+  """Keeps compiled programs in `directory` (unless JAX_COMPILATION_CACHE_DIR names another)."""
+  if directory and jax.config.jax_compilation_cache_dir is None:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
+
+
+def prepare_paths(config, family) -> str:
+  """The transformer's checkpoint path; `generate_tiny` writes the family's tiny pipeline and the
+  tiny image sets where they are missing."""
+  path = family.checkpoint_path(config.model)
+  if config.generate_tiny:
+    if not os.path.isfile(os.path.join(config.model.diffusers_path, "model_index.json")):
+      print(f"writing the embedded tiny {family.type} pipeline to {config.model.diffusers_path}")
+      family_lib.torch_side(family).write_tiny_pipeline(config.model.diffusers_path)
+    for folder, sizes in [(config.dataset.path, None)] + [
+        (e.path, ((40, 40),)) for e in config.eval_datasets.values()]:
+      if not os.path.isdir(folder):
+        print(f"writing the embedded tiny image set to {folder}")
+        tiny.write_image_dataset(folder, **({"sizes": sizes, "num_images": 4} if sizes else {}))
+  return path
+
+
+def cache_datasets(config, family, regenerate, build=True):
+  """Caches the training and eval datasets (the family's PyTorch encoders, loaded when something
+  needs encoding and released afterwards); with build=False, opens the caches another process
+  built."""
+  train_settings = data.dataset_settings(config.dataset)
+  settings = {"train": train_settings, **{name: dataclasses.replace(train_settings, directories=(
+      media.DirectorySettings(path=e.path),)) for name, e in config.eval_datasets.items()}}
+  if not build:
+    return {name: data.open_cached_dataset(s, family.type) for name, s in settings.items()}
+  encoders = family_lib.torch_side(family).load_encoders(config.model)
+  cached = {name: data.cache_dataset(s, family.type, encoders, config.caching_batch_size, regenerate)
+            for name, s in settings.items()}
+  encoders.release()
+  return cached
+
+
+def from_process_0(text: str) -> str:
+  """Process 0's string on every process (a multi-host run agrees on names this way)."""
+  if jax.process_count() == 1:
+    return text
+  buf = np.zeros(1024, np.uint8)
+  buf[:len(text.encode())] = np.frombuffer(text.encode(), np.uint8)
+  return bytes(multihost_utils.broadcast_one_to_all(buf)).rstrip(b"\0").decode()
+
+
+def peak_device_memory_gib():
+  """Peak memory of the first local device so far (None where the backend does not report it)."""
+  stats = jax.local_devices()[0].memory_stats()
+  return stats["peak_bytes_in_use"] / 2**30 if stats and "peak_bytes_in_use" in stats else None
+
+
+def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
+  """Trains a LoRA as `config` says (configs/common.py); `resume`: a run directory name under
+  `output_dir`, or "latest", to continue. Returns the run directory (None with `cache_only`).
+  A user's mistake raises `UserError`."""
+  use_compilation_cache(config.compilation_cache_dir)
+  is_main_process = jax.process_index() == 0  # the one that writes logs and exports
+  family = family_lib.get(config.model.type)
+
+  # ---------------------------------------------------------------- mesh
+  mesh = sharding.make_mesh(config.pipeline_stages)
+  stacks.remat_policy(config.activation_checkpointing, config.unrolled,
+                      pipelined=mesh.shape["stage"] > 1, swapped=config.blocks_to_swap > 0)
+  data_parallel = mesh.shape["data"]
+
+  # ---------------------------------------------------------------- data (cached once)
+  # Process 0 writes the tiny default and the caches (a shared filesystem); the others wait for
+  # it, then read them.
+  path = prepare_paths(config, family) if is_main_process else None
+  cached = cache_datasets(config, family, regenerate_cache) if is_main_process else None
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("datasets cached")
+    path = path or prepare_paths(config, family)
+    cached = cached or cache_datasets(config, family, regenerate_cache, build=False)
+  micro, accum = config.micro_batch_size_per_gpu * data_parallel, config.gradient_accumulation_steps
+  global_batch = micro * accum
+  dataset = data.Batches(cached.pop("train"), global_batch, config.seed, family.position_ids,
+                         micro_batches=accum)
+  evals = {name: data.Batches(dirs, micro, config.seed, family.position_ids, name)
+           for name, dirs in cached.items()}
+  if cache_only:
+    print("cached; exiting (--cache_only)")
+    return None
+  steps_per_epoch = dataset.steps_per_epoch
+  total_steps = config.epochs * steps_per_epoch
+  total_steps = min(total_steps, config.max_steps) if config.max_steps else total_steps
+
+  # ---------------------------------------------------------------- run directory
+  run_dir = "" if not is_main_process else (
+      checkpoint.resolve_resume(config.output_dir, resume or "latest") if resume is not None
+      else checkpoint.new_run_dir(config.output_dir))
+  run_dir = from_process_0(run_dir)  # every process checkpoints into the same run
+  if is_main_process:
+    with open(os.path.join(run_dir, "config.json" if resume is None else "config_resumed.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  print(f"run directory: {run_dir}; mesh {dict(mesh.shape)} over {len(jax.devices())} devices; "
+        f"global batch {global_batch}; {steps_per_epoch} steps an epoch")
+
+  # ---------------------------------------------------------------- model (frozen), on the mesh
+  layout = sharding.make_layout(mesh, family.stacks(models.checkpoint_config(family.type, path)),
+                                accum, config.blocks_to_swap, config.unrolled)
+  if layout.plan is not None:
+    print(layout.plan.describe())
+  if layout.swap:
+    print("frozen weights in pinned host memory: " + ", ".join(
+        f"{n} of the {name}, spread evenly" for name, n in layout.swap))
+  model = models.load(family.type, path, dtype=jnp.dtype(config.model.dtype),
+                      transformer_dtype=config.model.transformer_dtype,
+                      remat=config.activation_checkpointing, unrolled=config.unrolled, layout=layout)
+  params = model.params
+
+  # ---------------------------------------------------------------- adapter and optimizer
+  # The state is created, checkpointed and exported in the plain layer layout, and trained in
+  # the layout's (per pipeline stage, per layer): `layout.create` and `to_layers` convert, in jit.
+  tx, lr_fn = optim.make(config, total_steps)
+  make_state = functools.partial(init_state, layer_params=models.abstract_params(
+      family, model.module, model.config), config=config, tx=tx, family=family)
+  layer_state = jax.eval_shape(make_state, jax.random.key(config.seed))
+  replicated = sharding.tree_shardings(mesh, layer_state)
+  to_layers = jax.jit(layout.to_layers, out_shardings=replicated)  # checkpoints
+  lora_to_layers = jax.jit(layout.to_layers, out_shardings=replicated["lora"])  # exports
+  ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
+  if resume is not None:
+    state, meta = ckpt.restore(abstract_state=jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer_state, replicated))
+    state = layout.create(lambda s: s, state)
+    if meta.get("steps_per_epoch", steps_per_epoch) != steps_per_epoch:
+      raise UserError(f"{run_dir} was trained with {meta['steps_per_epoch']} steps an epoch, the "
+                      f"data now gives {steps_per_epoch}: the dataset or batch settings changed, so "
+                      "the run cannot continue where it stopped; start a new run")
+    print(f"resumed {run_dir} at step {meta['step']} (epoch {meta['epoch']})")
   else:
-    t = jnp.full((latents.shape[0],), flow.quantile_timesteps(quantile, m.timestep_sample_method,
-                                                              m.sigmoid_scale))
-  t = flow.shift_timesteps(t, m.shift, m.flux_shift, latents.shape[1])
-  noise = jax.random.normal(k_noise, latents.shape, latents.dtype)
-  inputs = model.family.training_inputs(model.config, batch, flow.noisy_latents(latents, noise, t),
-                                        t, m.guidance)
-  return inputs, noise - latents, k_dropout
+    existing = None
+    if config.adapter.init_from_existing:
+      existing = lora.load(config.adapter.init_from_existing, layer_state["lora"], family)
+    state = layout.create(make_state, jax.random.key(config.seed), existing)
 
+  # ---------------------------------------------------------------- step, evals, saves
+  step_fn = make_step(model, config, tx, layout)
+  eval_fn = make_eval(model, config, layout)
+  metrics = MetricWriter(run_dir, is_main_process)
 
-def _predict(adapter, params, inputs, dropout_key, *, model, config, train, run_stacks):
-  module = model.module.clone(lora_dropout=config.adapter.dropout if train else 0.0)
-  return module.apply({"params": params, "lora": adapter}, **inputs, run_stacks=run_stacks,
-                      rngs={"dropout": dropout_key})
+  def run_evals(step):
+    """Each eval set's loss at the fixed t quantiles, with the same noise every time."""
+    for name, ev in evals.items():
+      batches = ev.iterate(0, 0, jax.process_index(), jax.process_count())
+      losses = np.mean([eval_fn(state["lora"], params, sharding.global_batch(mesh, batch, batch_axis=0),
+                                jax.random.key(i)) for i, batch in enumerate(batches)], axis=0)
+      metrics.write(step, {f"{name}/loss_quantile_{q:.2f}": v for q, v in zip(EVAL_QUANTILES, losses)})
+      metrics.write(step, {f"{name}/loss": losses.mean()})
+      print(f"eval {name} at step {step}: loss {losses.mean():.4f}")
 
+  def save_lora(name):
+    adapter = lora_to_layers(state["lora"])
+    if is_main_process:
+      saved = lora.save(adapter, os.path.join(run_dir, name), family, config.adapter.rank,
+                        np.dtype(jnp.dtype(config.save_dtype)))
+      print(f"saved LoRA: {saved}")
 
-def loss_fn(adapter, params, batch, key, *, model, config, quantile=None,
-            run_stacks=layers.run_stacks):
-  """Flow-matching loss of one micro-batch; differentiated with respect to `adapter` only."""
-  inputs, target, k_dropout = model_inputs(batch, key, model=model, config=config, quantile=quantile)
-  pred = _predict(adapter, params, inputs, k_dropout, model=model, config=config,
-                  train=quantile is None, run_stacks=run_stacks)
-  return flow.mse(pred, target, batch.get("mask"))
+  def save_checkpoint(step):
+    epoch, batch_index = divmod(step, steps_per_epoch)  # where the data continues from
+    ckpt.save(step, to_layers(state), dict(step=step, epoch=epoch, batch_index=batch_index,
+                                           steps_per_epoch=steps_per_epoch))
 
+  # ---------------------------------------------------------------- loop
+  key = jax.random.key(config.seed + 1)
+  step = int(state["step"])
+  last_checkpoint_time, last_saved_step = time.time(), None
+  epoch_losses = []
+  if evals and config.eval_before_first_step and step == 0:
+    run_evals(0)
+  bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
+  batch_iter, iter_epoch = None, None
+  while step < total_steps:
+    epoch, index = divmod(step, steps_per_epoch)
+    if iter_epoch != epoch:  # a new epoch, or a resumed run: the schedule continues exactly
+      batch_iter, iter_epoch = dataset.iterate(epoch, index, jax.process_index(), jax.process_count()), epoch
+    batch = next(batch_iter)
+    batches = sharding.global_batch(mesh, jax.tree.map(
+        lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch))
+    state, step_metrics = step_fn(state, params, batches, jax.random.fold_in(key, step))
+    loss, grad_norm = float(step_metrics["loss"]), float(step_metrics["grad_norm"])
+    if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+      raise UserError(f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step + 1}; "
+                      f"stopping. The last good checkpoint in {run_dir} is kept: lower "
+                      "optimizer.lr or check the data, then --resume_from_checkpoint")
+    step += 1
+    lr = float(lr_fn(step - 1))
+    epoch_losses.append(loss)
+    peak_gib = peak_device_memory_gib()
+    metrics.write(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
+                         **({"train/peak_memory_gib": peak_gib} if peak_gib is not None else {})})
+    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", epoch=epoch + 1,
+                    **({"peak_mem": f"{peak_gib:.1f}G"} if peak_gib is not None else {}))
+    bar.update(1)
 
-def pipelined_loss(adapter, params, batches, keys, *, model, config, pipeline):
-  """The mean of `loss_fn` over a [microbatches, micro batch, ...] stack (same samples, same
-  noise), computed in one pass through `pipeline` with the microbatches in flight together."""
-  inputs, targets, k_dropout = jax.vmap(functools.partial(
-      model_inputs, model=model, config=config))(batches, keys)
-  merge = lambda x: x.reshape(-1, *x.shape[2:])  # [M, micro, ...] -> [M * micro, ...]
-  inputs = {k: None if v is None else v[0] if k in model.family.SHARED_INPUTS else merge(v)
-            for k, v in inputs.items()}
-  pred = _predict(adapter, params, inputs, k_dropout[0], model=model, config=config, train=True,
-                  run_stacks=pipeline.run)
-  pred = pred.reshape(targets.shape[:2] + pred.shape[1:])
-  masks = batches.get("mask")
-  return jax.vmap(flow.mse)(pred, targets, *([masks] if masks is not None else [])).mean()
-
-
-def grad_fn(model, config, pipeline=None, split=False):
-  """(adapter, params, batches [A, micro batch, ...], keys [A]) -> (mean loss, mean gradient).
-  Without a pipeline the micro-batches run one after another (the memory of one micro-batch):
-  in a scan; or, `split`, for a caller that must not jit it, in a Python loop, each loss and
-  gradient run as programs split at the block calls (`programs`: unrolled layers)."""
-  if pipeline is not None:
-    return jax.value_and_grad(functools.partial(pipelined_loss, model=model, config=config,
-                                                pipeline=pipeline))
-  loss = functools.partial(loss_fn, model=model, config=config)
-  add = lambda total, result: jax.tree.map(jnp.add, total, result)
-  if split:
-    # each micro-batch's loss divided by their number inside its programs: the sum is the mean
-    loss_and_grad = programs.value_and_grad(lambda adapter, params, batch, key, n: loss(
-        adapter, params, batch, key) / n)
-    add = jax.jit(add, donate_argnums=0)
-
-    def accumulate(adapter, params, batches, keys):
-      total = None
-      for a in range(len(keys)):
-        result = loss_and_grad(adapter, params, *jax.tree.map(lambda x: x[a], (batches, keys)),
-                               len(keys))
-        total = result if total is None else add(total, result)
-      return total
-    return accumulate
-
-  loss = jax.value_and_grad(loss)
-  mean = lambda total, n: jax.tree.map(lambda t: t / n, total)
-
-  def accumulate(adapter, params, batches, keys):
-    def micro(grads, batch_and_key):
-      value, g = loss(adapter, params, *batch_and_key)
-      return add(grads, g), value
-    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, adapter), (batches, keys))
-    return losses.mean(), mean(grads, len(losses))
-  return accumulate
-
-
-def init_state(key, adapter=None, *, layer_params, config, tx, family):
-  """The training state in the plain layer layout: a new LoRA for the family's targets (or the
-  given one), its optimizer state and the step count."""
-  if adapter is None:
-    adapter = lora.init(layer_params, family.LORA_TARGETS, config.adapter.rank,
-                        jnp.dtype(config.adapter.dtype), key)
-  return dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
-
-
-def apply_gradients(state, loss, g, *, tx):
-  """The state after one optimizer update with the mean gradient `g`, and the step's metrics."""
-  updates, opt_state = tx.update(g, state["opt_state"], state["lora"])
-  new_state = dict(lora=jax.tree.map(jnp.add, state["lora"], updates), opt_state=opt_state,
-                   step=state["step"] + 1)
-  return new_state, dict(loss=loss, grad_norm=optax.tree.norm(g))
-
-
-def train_step(state, params, batches, key, *, grads, update):
-  """One optimizer update from a [accumulation, micro_batch, ...] stack of batches; `grads` is
-  a `grad_fn`, `update` an `apply_gradients`."""
-  n = jax.tree.leaves(batches)[0].shape[0]
-  return update(state, *grads(state["lora"], params, batches, jax.random.split(key, n)))
-
-
-def make_step(model, config, tx, layout):
-  """`train_step` (state, params, batches, key) -> (state, metrics) for the model's layout: one
-  jitted program; or, with the layers unrolled (`layout.per_layer`, scan_layers=False), the loss
-  and its gradient as a sequence of programs (`programs`: each stack's block forward and backward
-  programs compile once for all its layers), then one jitted update. One program of every
-  unrolled layer would take minutes to compile at Flux size."""
-  grads = grad_fn(model, config, layout.pipeline, split=layout.per_layer)
-  update = functools.partial(apply_gradients, tx=tx)
-  if not layout.per_layer:
-    return jax.jit(functools.partial(train_step, grads=grads, update=update), donate_argnums=(0,))
-  update = jax.jit(update, donate_argnums=(0,))
-  compiling = []  # the update's compilation, started by the first step
-
-  def compiled_update(*args):
-    compiling[0].result()  # (re-raises what failed)
-    return update(*args)  # jit finds its executable compiled
-
-  def step(state, params, batches, key):
-    # The update of a state stored per layer is a program of thousands of arrays (30 s to
-    # compile at Flux size): it compiles in a thread while the first step's programs do.
-    if not compiling:
-      specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-      loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(layout.mesh, P()))
-      compiling.append(_COMPILER.submit(lambda: update.lower(specs, loss, specs["lora"]).compile()))
-    return train_step(state, params, batches, key, grads=grads, update=compiled_update)
-  return step
-
-
-_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
-
-
-def make_eval(model, config, layout):
-  """`eval_losses` (adapter, params, batch, key) for the model's layout: jitted, or split at its
-  block calls as `make_step` runs its step (`layout.per_layer`)."""
-  evaluate = functools.partial(eval_losses, model=model, config=config, pipeline=layout.pipeline)
-  return programs.split(evaluate) if layout.per_layer else jax.jit(evaluate)
-
-
-def eval_losses(adapter, params, batch, key, *, model, config, pipeline=None):
-  """Losses at the fixed timestep quantiles, with noise fixed by `key` (a [Q] array); through
-  the pipeline as a single microbatch when there is one."""
-  run = layers.run_stacks if pipeline is None else dataclasses.replace(
-      pipeline, plan=dataclasses.replace(pipeline.plan, microbatches=1)).run
-  return jnp.stack([loss_fn(adapter, params, batch, key, model=model, config=config, quantile=q,
-                            run_stacks=run) for q in EVAL_QUANTILES])
+    end_of_epoch = every(step, steps_per_epoch)
+    if end_of_epoch:
+      metrics.write(epoch + 1, {"train/epoch_loss": np.mean(epoch_losses)})
+      epoch_losses = []
+    if end_of_epoch and every(epoch + 1, config.save_every_n_epochs):
+      save_lora(f"epoch{epoch + 1}")
+      last_saved_step = step
+    if every(step, config.save_every_n_steps):
+      save_lora(f"step{step}")
+      last_saved_step = step
+    if evals and (every(step, config.eval_every_n_steps) or (
+        end_of_epoch and every(epoch + 1, config.eval_every_n_epochs))):
+      run_evals(step)
+    due = every(step, config.checkpoint_every_n_steps) or (
+        time.time() - last_checkpoint_time > 60 * config.checkpoint_every_n_minutes)
+    if jax.process_count() > 1:  # every process must take part in a save: process 0's clock decides
+      due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+    if due or step == total_steps:
+      save_checkpoint(step)
+      last_checkpoint_time = time.time()
+  bar.close()
+  metrics.close()
+  if last_saved_step != step:  # always end with an exported LoRA
+    save_lora(f"step{step}" if step % steps_per_epoch else f"epoch{step // steps_per_epoch}")
+  print(f"done: {step} steps in {run_dir}")
+  return run_dir

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from diffpipe_jax import checkpoint
+from diffpipe_jax.errors import UserError
 
 
 def make_state(seed=0):
@@ -108,7 +109,7 @@ def test_resolve_resume(tmp_path):
     assert checkpoint.resolve_resume(out, latest) == new
   assert checkpoint.resolve_resume(out, "20250101_10-00-00") == old
   assert checkpoint.resolve_resume(out, old) == old
-  with pytest.raises(FileNotFoundError, match="20250105_00-00-00.*20250101_10-00-00"):
+  with pytest.raises(UserError, match="20250105_00-00-00.*20250101_10-00-00"):
     checkpoint.resolve_resume(out, "20250105_00-00-00")
   with pytest.raises(ValueError, match="20250103_08-00-00 has no complete checkpoint"):
     checkpoint.resolve_resume(out, "20250103_08-00-00")
@@ -118,7 +119,7 @@ def test_resolve_resume_without_a_complete_checkpoint(tmp_path):
   out = str(tmp_path / "runs")
   half = os.path.join(out, "20250101_10-00-00", "global_step10")
   os.makedirs(half)  # killed before the commit marker
-  with pytest.raises(FileNotFoundError, match=f"no run under {re.escape(out)} has a complete"):
+  with pytest.raises(UserError, match=f"no run under {re.escape(out)} has a complete"):
     checkpoint.resolve_resume(out, "latest")
-  with pytest.raises(FileNotFoundError, match="no run under"):
+  with pytest.raises(UserError, match="no run under"):
     checkpoint.resolve_resume(str(tmp_path / "missing"), "latest")

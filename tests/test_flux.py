@@ -1,18 +1,23 @@
-"""The Flax Flux transformer against diffusers' FluxTransformer2DModel, from every on-disk layout."""
+"""FLUX.1: the Flax transformer against diffusers' FluxTransformer2DModel (dev and schnell, several
+shapes, every layout), its inputs' checks, bf16, its single-file table, and its cache's latents
+and embeddings against FluxPipeline's."""
 import copy
-import json
-import shutil
+import os
 
 import numpy as np
 import pytest
 import torch
 
-from diffpipe_jax import convert, models, tiny
-from diffpipe_jax.convert import CheckpointError, table
+import test_cache
+import test_data
+from conftest import load_encoders
+from diffpipe_jax import cache, data, lora, media, models, tiny
+from diffpipe_jax.convert import table
+from diffpipe_jax.encoders import flux as flux_torch
 from diffpipe_jax.models import flux
 
-LAYOUTS = ("diffusers", "diffusers_sharded", "bfl", "bfl_prefixed")
-DEV = flux.config_from_diffusers(tiny.TINY_FLUX)
+LAYOUTS = ("diffusers", "diffusers_sharded", "single_file", "single_file_prefixed")
+DEV = flux.config_from_diffusers(flux_torch.TINY_FLUX)
 
 
 def flux_inputs(batch, h, w, txt_len, guidance, seed=0):
@@ -45,14 +50,8 @@ def test_parity_with_diffusers(flux_checkpoints, loaded, variant, batch, h, w, t
     out = loaded[variant, layout](**inputs)
     assert out.shape == ref.shape
     assert rel_err(out, ref) <= 1e-5, (layout, rel_err(out, ref))
-
-
-def test_config_from_both_layouts_agree(loaded):
-  for variant in ("dev", "schnell"):
-    configs = {layout: loaded[variant, layout].config for layout in LAYOUTS}
-    assert len(set(configs.values())) == 1, configs
-    assert configs["bfl"].guidance_embeds == (variant == "dev")
-    assert configs["bfl"].axes_dims_rope == tiny.TINY_FLUX["axes_dims_rope"]
+  assert loaded[variant, "single_file"].config == loaded[variant, "diffusers"].config
+  assert loaded[variant, "single_file"].config.axes_dims_rope == flux_torch.TINY_FLUX["axes_dims_rope"]
 
 
 def test_single_file_table_round_trips(flux_checkpoints):
@@ -70,11 +69,11 @@ def test_single_file_table_round_trips(flux_checkpoints):
 def test_guidance_input_is_checked(loaded):
   dev_inputs = flux_inputs(1, 2, 2, 3, guidance=True)
   with pytest.raises(ValueError, match="FLUX.1-schnell"):
-    loaded["schnell", "bfl"](**dev_inputs)
+    loaded["schnell", "single_file"](**dev_inputs)
   with pytest.raises(ValueError, match="pass `guidance`"):
-    loaded["dev", "bfl"](**{**dev_inputs, "guidance": None})
+    loaded["dev", "single_file"](**{**dev_inputs, "guidance": None})
   with pytest.raises(TypeError, match="missing"):
-    loaded["dev", "bfl"](hidden_states=dev_inputs["hidden_states"])
+    loaded["dev", "single_file"](hidden_states=dev_inputs["hidden_states"])
 
 
 def test_numpy_in_jax_out(loaded):
@@ -86,7 +85,7 @@ def test_numpy_in_jax_out(loaded):
 def test_bfloat16_params_and_compute(flux_checkpoints):
   """In bf16 we stay as close to the float32 reference as diffusers' own bf16 forward does."""
   import jax.numpy as jnp
-  m = models.load("flux", flux_checkpoints["dev"]["bfl"], dtype=jnp.bfloat16, progress=False)
+  m = models.load("flux", flux_checkpoints["dev"]["single_file"], dtype=jnp.bfloat16, progress=False)
   assert m.params["transformer_blocks"]["attn"]["to_q"]["kernel"].dtype == jnp.bfloat16
   model = copy.deepcopy(flux_checkpoints["dev"]["torch"])
   for t in (0.001, 0.36, 0.9):
@@ -96,85 +95,84 @@ def test_bfloat16_params_and_compute(flux_checkpoints):
     assert rel_err(m(**inputs).astype(jnp.float32), ref) <= 1.5 * torch_bf16_err
 
 
-def test_loading_holds_the_stored_leaves_and_one_more(flux_checkpoints):
-  """Leaves come largest first, and when each is handed on (to float8 storage, say) nothing else
-  is in flight: its torch-layout copy is gone once it is transposed."""
-  import jax
-  fam = models.family("flux")
-  config, files, rows = convert.open_checkpoint(fam, flux_checkpoints["dev"]["diffusers"])
-  abstract = models.abstract_params(fam, fam.make_module(config), config)
-  live = lambda: sum(a.nbytes for a in jax.live_arrays())
-  before, stored = live(), []
-
-  def finalize(path, value):
-    assert live() - before == sum(stored) + value.nbytes, path
-    stored.append(value.nbytes)
-    return {path: value}
-  convert.load_params(abstract, fam, files, rows, np.float32, finalize=finalize, progress=False)
-  assert stored == sorted(stored, reverse=True) and len(stored) == len(table.flatten(abstract))
+def test_default_lora_targets_cover_every_block_linear(flux_checkpoints):
+  model = models.load("flux", flux_checkpoints["dev"]["diffusers"], progress=False)
+  targets = lora.select_targets(model.params, flux.LORA_TARGETS)
+  assert "transformer_blocks.attn.to_out.0" in targets and "transformer_blocks.norm1_context.linear" in targets
+  assert "single_transformer_blocks.proj_mlp" in targets and "single_transformer_blocks.norm.linear" in targets
+  assert not any(t.startswith(("x_embedder", "proj_out", "norm_out", "time_text")) for t in targets)
+  assert len(targets) == 14 + 6  # double: 2 mod + 6 qkv + 2 out + 4 ff; single: mod + qkv + mlp + out
 
 
-# ---- bad checkpoints ----------------------------------------------------------------------------
+# ---- the torch side: cached latents and embeddings -----------------------------------------------
 
 
-def test_wrong_model_folder(tmp_path):
-  (tmp_path / "transformer").mkdir()
-  (tmp_path / "transformer" / "config.json").write_text(json.dumps({"_class_name": "LTXVideoTransformer3DModel"}))
-  with pytest.raises(CheckpointError, match="LTXVideoTransformer3DModel, not a FluxTransformer2DModel"):
-    models.load("flux", str(tmp_path))
+@pytest.fixture(scope="module")
+def pipeline(tiny_pipelines):
+  return tiny_pipelines("flux")
 
 
-def test_wrong_model_single_file(tmp_path):
-  path = str(tmp_path / "vae.safetensors")
-  from diffpipe_jax.convert.tensorfile import write_safetensors
-  write_safetensors({"encoder.conv_in.weight": np.zeros((4, 3, 3, 3), np.float32)}, path)
-  with pytest.raises(CheckpointError, match="not a FluxTransformer2DModel single file.*encoder.conv_in"):
-    models.load("flux", path)
+@pytest.fixture(scope="module")
+def encoders(pipeline):
+  enc = load_encoders("flux", pipeline)
+  yield enc
+  enc.release()
 
 
-def test_truncated_file(flux_checkpoints, tmp_path):
-  path = tmp_path / "cut.safetensors"
-  data = open(flux_checkpoints["dev"]["bfl"], "rb").read()
-  path.write_bytes(data[: len(data) // 2])
-  with pytest.raises(CheckpointError, match="truncated"):
-    models.load("flux", str(path))
-  path.write_bytes(data[:100])
-  with pytest.raises(CheckpointError, match="truncated or not a safetensors file"):
-    models.load("flux", str(path))
+def test_cache_matches_flux_pipeline(pipeline, encoders, tmp_path):
+  """Cached latents and embeddings are FluxPipeline's: the VAE's posterior mean, shifted,
+  scaled and 2x2-packed; T5 and CLIP as `encode_prompt` gives them."""
+  from diffusers import AutoencoderKL, FluxPipeline
+  items = test_cache.make_items(5)
+  c = cache.build_cache(str(tmp_path), items, encoders, batch_size=2)
+  assert sorted(c.buckets()) == [((32, 32, 1), 3), ((48, 32, 1), 2)] and len(c) == 5
+
+  vae = AutoencoderKL.from_pretrained(os.path.join(pipeline, "vae"))
+  pipe = FluxPipeline.from_pretrained(pipeline)
+  cfg = vae.config
+  for bucket, _ in c.buckets():
+    for index, key in enumerate(c.keys(bucket)):
+      item = next(it for it in items if it["key"] == key)
+      x = torch.from_numpy(item["load_pixels"]()).permute(0, 3, 1, 2)
+      with torch.no_grad():
+        z = (vae.encode(x).latent_dist.mean - cfg.shift_factor) * cfg.scaling_factor
+        want = FluxPipeline._pack_latents(z, 1, z.shape[1], z.shape[2], z.shape[3])[0].numpy()
+        text, pooled, _ = pipe.encode_prompt(item["caption"], prompt_2=None,
+                                             max_sequence_length=512)
+      got = c.get(bucket, index)
+      np.testing.assert_allclose(got["latents"], want, rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(got["text"], text[0].numpy(), rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(got["pooled"], pooled[0].numpy(), rtol=1e-5, atol=1e-5)
+      assert flux.image_ids(*c.grid(bucket)).shape[0] == got["latents"].shape[0]
+  assert c.get((48, 32, 1), 0)["latents"].shape == (8 * 12, 16)
+
+  with torch.no_grad():
+    text, pooled, _ = pipe.encode_prompt("", prompt_2=None, max_sequence_length=512)
+  empty = c.empty_text()
+  np.testing.assert_allclose(empty["text"], text[0].numpy(), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(empty["pooled"], pooled[0].numpy(), rtol=1e-5, atol=1e-5)
 
 
-def test_missing_unexpected_and_misshaped_keys(flux_checkpoints, tmp_path):
-  from diffpipe_jax.convert.tensorfile import TensorFiles, write_safetensors
-  files = TensorFiles([flux_checkpoints["dev"]["bfl"]])
-  tensors = {k: np.array(files[k]) for k in files.keys()}
-  del tensors["single_blocks.1.linear2.weight"]
-  tensors["lora_unet_something.weight"] = np.zeros(3, np.float32)
-  tensors["txt_in.bias"] = np.zeros(5, np.float32)
-  path = str(tmp_path / "broken.safetensors")
-  write_safetensors(tensors, path)
-  with pytest.raises(CheckpointError) as e:
-    models.load("flux", path)
-  msg = str(e.value)
-  assert "missing (1): single_blocks.1.linear2.weight" in msg
-  assert "unexpected (1): lora_unet_something.weight" in msg
-  assert "mis-shaped (1): txt_in.bias: file (5,), model (64,)" in msg
+def test_identity_changes_with_settings(pipeline, encoders):
+  other = load_encoders("flux", pipeline, max_sequence_length=64)
+  assert other.identity() != encoders.identity()
+  assert other.encode_text(["x"])["text"].shape == (1, 64, 24)
+  other.release()
 
 
-def test_diffusers_config_that_does_not_match_weights(flux_checkpoints, tmp_path):
-  root = tmp_path / "p"
-  shutil.copytree(flux_checkpoints["dev"]["diffusers"], root)
-  cfg_path = root / "transformer" / "config.json"
-  cfg = json.loads(cfg_path.read_text())
-  cfg["num_layers"] = 3
-  cfg_path.write_text(json.dumps(cfg))
-  with pytest.raises(CheckpointError, match="missing .*transformer_blocks.2"):
-    models.load("flux", str(root))
-
-
-def test_missing_path_and_empty_folder(tmp_path):
-  with pytest.raises(CheckpointError, match="not found"):
-    models.load("flux", str(tmp_path / "nope.safetensors"))
-  with pytest.raises(CheckpointError, match="transformer/config.json"):
-    models.load("flux", str(tmp_path))
-  with pytest.raises(ValueError, match="unknown model type 'fluxx'"):
-    models.load("fluxx", str(tmp_path))
+def test_cached_dataset_latents_equal_a_direct_vae_encode(tmp_path, encoders, pipeline):
+  """Through the data path (resized and cropped to its bucket): the same as FluxPipeline packs."""
+  from diffusers import AutoencoderKL, FluxPipeline
+  folder = tiny.write_image_dataset(str(tmp_path / "img"), num_images=1, sizes=((40, 40),))
+  (d,) = test_data.cached(folder, encoders)
+  (bucket, _), = d.cache.buckets()
+  vae = AutoencoderKL.from_pretrained(os.path.join(pipeline, "vae")).eval()
+  (item,) = media.scan_directory(folder)
+  frames = data.cache_items(media.DirectorySettings(path=folder, resolutions=(32,), enable_ar_bucket=True,
+                                                    min_ar=0.5, max_ar=2.0, num_ar_buckets=7,
+                                                    frame_buckets=(1,)), [item], 4)[0]["load_pixels"]()
+  with torch.no_grad():
+    z = vae.encode(torch.from_numpy(frames[0]).permute(2, 0, 1)[None]).latent_dist.mean
+  z = (z - vae.config.shift_factor) * vae.config.scaling_factor
+  packed = FluxPipeline._pack_latents(z, 1, z.shape[1], z.shape[2], z.shape[3]).numpy()[0]
+  np.testing.assert_allclose(d.cache.get(bucket, 0)["latents"], packed, rtol=1e-4, atol=1e-5)

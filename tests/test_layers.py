@@ -1,4 +1,5 @@
-"""Shared layers: the float8 matmul of a float8 base, and the XLA flags set on import."""
+"""Shared layers: the float8 matmul of a float8 base, the XLA flags set on import, and attention
+in pieces (masked, cross, joint with the text after the image) against diffusers' modules."""
 import os
 import subprocess
 import sys
@@ -61,3 +62,103 @@ def test_triton_gemms_are_off_unless_the_user_sets_them():
   assert run("--xla_force_host_platform_device_count=2") == (
       "--xla_force_host_platform_device_count=2 --xla_gpu_enable_triton_gemm=false")
   assert run("--xla_gpu_enable_triton_gemm=true") == "--xla_gpu_enable_triton_gemm=true"
+
+
+# ---- attention in pieces, against diffusers' attention modules -----------------------------------
+
+
+def params_from_torch(module, torch_module, *inputs):
+  """A Flax module's parameters from a torch module of the same names (kernels transposed)."""
+  from diffpipe_jax.convert import table
+  abstract = jax.eval_shape(lambda: module.init(jax.random.key(0), *inputs))["params"]
+  sd = {k: v.detach().numpy().copy() for k, v in torch_module.state_dict().items()}
+  flat = {path: jnp.asarray(sd[table.diffusers_key(path)].T if path[-1] == "kernel" else
+                            sd[table.diffusers_key(path)]) for path in table.flatten(abstract)}
+  assert len(flat) == len(sd), sorted(set(sd) - {table.diffusers_key(p) for p in flat})
+  return table.unflatten(flat)
+
+
+def randomised(torch_module, seed):
+  import torch
+  torch.manual_seed(seed)
+  with torch.no_grad():
+    for p in torch_module.parameters():
+      p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+  return torch_module.eval()
+
+
+def rel_err(a, b):
+  return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def rope_tables(tokens, head_dim, seed):
+  """Interleaved (cos, sin) tables [tokens, head_dim] of random 2-D positions."""
+  ids = np.random.default_rng(seed).integers(0, 9, (tokens, 2)).astype(np.float32)
+  return tuple(np.asarray(t) for t in layers.rope_tables(ids, (head_dim // 2, head_dim // 2), 256.0))
+
+
+def key_mask(batch, length, valid):
+  mask = np.zeros((batch, length), bool)
+  for b, n in enumerate(valid):
+    mask[b, :n] = True
+  return mask
+
+
+def test_cross_attention_with_a_padding_mask_matches_ltx_attention():
+  """LTX-Video's attn2: q/k RMSNorm across heads, keys and values from the padded text."""
+  import torch
+  from diffusers.models.transformers.transformer_ltx import LTXAttention
+  heads, head_dim, dim, ctx_dim = 3, 8, 20, 12
+  ref = randomised(LTXAttention(dim, heads, heads, head_dim, cross_attention_dim=ctx_dim), 0)
+  rng = np.random.default_rng(1)
+  x, ctx = rng.standard_normal((2, 7, dim), np.float32), rng.standard_normal((2, 5, ctx_dim), np.float32)
+  mask = key_mask(2, 5, (5, 2))
+  ours = layers.CrossAttention(heads, head_dim, eps=1e-5)
+  params = params_from_torch(ours, ref, x, ctx, mask)
+  out = ours.apply({"params": params}, x, ctx, mask)
+  bias = torch.from_numpy((1.0 - mask.astype(np.float32)) * -10000.0)[:, None]  # as LTX's forward
+  with torch.no_grad():
+    want = ref(torch.from_numpy(x), torch.from_numpy(ctx), bias).numpy()
+  assert rel_err(out, want) <= 1e-5
+  # the mask matters: without it the padded tokens change the output
+  unmasked = ours.apply({"params": params}, x, ctx)
+  assert rel_err(unmasked, want) > 1e-3
+
+
+def hunyuan_attention(dim, heads, head_dim, joint):
+  from diffusers.models.attention_processor import Attention
+  from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+  extra = dict(added_kv_proj_dim=dim, context_pre_only=False, out_dim=dim) if joint else dict(pre_only=True)
+  return Attention(query_dim=dim, dim_head=head_dim, heads=heads, bias=True, qk_norm="rms_norm",
+                   eps=1e-6, processor=HunyuanVideoAttnProcessor2_0(), **extra)
+
+
+def test_joint_attention_with_text_last_and_rope_on_the_image_matches_hunyuan_video():
+  """HunyuanVideo's double-stream attention: [image; text], RoPE on the image tokens only,
+  padded text masked; and its single-stream attention over the joined sequence."""
+  import torch
+  heads, head_dim, dim = 3, 8, 24
+  rng = np.random.default_rng(2)
+  img, txt = rng.standard_normal((2, 6, dim), np.float32), rng.standard_normal((2, 4, dim), np.float32)
+  rope = rope_tables(6, head_dim, 3)
+  mask = key_mask(2, 10, (10, 8))  # [image; text]: the second prompt has 2 padding tokens
+  torch_in = lambda *a: [torch.from_numpy(np.array(v)) for v in a]
+  torch_mask = torch.from_numpy(mask)[:, None, None, :]
+
+  ref = randomised(hunyuan_attention(dim, heads, head_dim, joint=True), 4)
+  ours = layers.JointAttention(heads, head_dim, context_first=False, rope_on_context=False)
+  params = params_from_torch(ours, ref, img, txt, rope, mask)
+  out_img, out_txt = ours.apply({"params": params}, img, txt, rope, mask)
+  with torch.no_grad():
+    want_img, want_txt = ref(*torch_in(img, txt), attention_mask=torch_mask,
+                             image_rotary_emb=tuple(torch_in(*rope)))
+  assert rel_err(out_img, want_img.numpy()) <= 1e-5 and rel_err(out_txt, want_txt.numpy()) <= 1e-5
+
+  ref = randomised(hunyuan_attention(dim, heads, head_dim, joint=False), 5)
+  ours = layers.SelfAttention(heads, head_dim, output=False)
+  joined = np.concatenate([img, txt], axis=1)
+  out = ours.apply({"params": params_from_torch(ours, ref, joined, rope, mask)}, joined, rope, mask)
+  with torch.no_grad():
+    want_img, want_txt = ref(*torch_in(img, txt), attention_mask=torch_mask,
+                             image_rotary_emb=tuple(torch_in(*rope)))
+  assert rel_err(out, torch.cat([want_img, want_txt], 1).numpy()) <= 1e-5

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffpipe_jax import programs
-from diffpipe_jax.models import layers
+from diffpipe_jax import programs, stacks
 
 
 class Block(nn.Module):
@@ -24,7 +23,7 @@ def model(adapter, weights, x, scale, remat=None):
   jax.checkpoint with policy `remat`, if given), an integer passed between pieces and a
   constant: a scalar."""
   h = jnp.sin(x) * adapter["head"] + jnp.asarray(np.linspace(0, 1, x.shape[-1]), x.dtype)
-  block = functools.partial(layers.block_program, Block())
+  block = functools.partial(stacks.block_program, Block())
   if remat is not None:
     block = jax.checkpoint(block, policy=remat, prevent_cse=False)
   for i, (w, a) in enumerate(zip(weights, adapter["layers"])):

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import FAMILIES
 from diffpipe_jax import sharding
 from diffpipe_jax.models import flux
 from diffpipe_jax.sharding import pipeline
@@ -15,9 +16,10 @@ from diffpipe_jax.sharding import pipeline
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_every_layout_matches_one_device(flux_checkpoints):
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "multidevice_check.py"),
-                        flux_checkpoints["dev"]["diffusers"]],
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_layout_matches_one_device(tiny_models, name):
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "multidevice_check.py"), name,
+                        tiny_models(name)["layouts"]["diffusers"]],
                        env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True)
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout
@@ -25,7 +27,7 @@ def test_every_layout_matches_one_device(flux_checkpoints):
 
 @pytest.mark.parametrize("stages", [2, 3, 4, 8])
 def test_plan_covers_every_layer_once_and_stores_a_stage_share(stages):
-  plan = pipeline.make_plan(flux.stack_layouts(flux.FluxConfig()), stages, microbatches=8)
+  plan = pipeline.make_plan(flux.block_stacks(flux.FluxConfig()), stages, microbatches=8)
   for seg in plan.segments:
     held = [l for s in range(stages) for v in range(seg.visits) for l in plan.layers_on(seg, s, v)]
     assert sorted(held) == list(range(seg.length))
@@ -46,7 +48,7 @@ def test_plan_covers_every_layer_once_and_stores_a_stage_share(stages):
 
 
 def test_two_stage_bubble_is_small_with_eight_microbatches():
-  plan = pipeline.make_plan(flux.stack_layouts(flux.FluxConfig()), 2, microbatches=8)
+  plan = pipeline.make_plan(flux.block_stacks(flux.FluxConfig()), 2, microbatches=8)
   assert plan.bubble() < (2 - 1) / (8 + 2 - 1)  # better than one visit per stage (GPipe)
 
 

@@ -26,23 +26,26 @@ def open_checkpoint(family, path: str, axes_dims_rope=None):
     with open(config_path) as f:
       config = json.load(f)
     cls = config.get("_class_name")
-    if cls and cls != family.DIFFUSERS_CLASS:
-      raise CheckpointError(f"{config_path} describes a {cls}, not a {family.DIFFUSERS_CLASS}: "
+    if cls and cls != family.diffusers_class:
+      raise CheckpointError(f"{config_path} describes a {cls}, not a {family.diffusers_class}: "
                             "point the path at the right model")
     return family.config_from_diffusers(config), TensorFiles(safetensors_in_folder(folder)), None
   if not os.path.exists(path):
     raise CheckpointError(f"checkpoint not found: {path} (give a diffusers folder or a .safetensors file)")
+  single = family.single_file
+  if single is None:
+    raise CheckpointError(f"{path}: {family.type} loads from a diffusers folder only")
   files = TensorFiles([path])
-  prefix = common_prefix(files.keys(), family.SINGLE_FILE_PREFIXES)
+  prefix = common_prefix(files.keys(), single.prefixes)
   if prefix:
     files = TensorFiles([path], strip_prefix=prefix)
-  if family.SINGLE_FILE_SIGNATURE not in files:
+  if single.signature not in files:
     sample = ", ".join(sorted(files.keys())[:5])
     raise CheckpointError(
-        f"{path} is not a {family.DIFFUSERS_CLASS} single file: it lacks "
-        f"{family.SINGLE_FILE_SIGNATURE} (its keys begin: {sample}). Give the original single "
+        f"{path} is not a {family.diffusers_class} single file: it lacks "
+        f"{single.signature} (its keys begin: {sample}). Give the original single "
         "file of this model, or a diffusers folder")
-  return family.config_from_single_file(files.shapes(), axes_dims_rope), files, family.SINGLE_FILE_TABLE
+  return single.config(files.shapes(), axes_dims_rope), files, single.rows
 
 
 def load_params(abstract, family, files, rows, dtype, put=lambda path, x: jax.device_put(x),
@@ -50,8 +53,8 @@ def load_params(abstract, family, files, rows, dtype, put=lambda path, x: jax.de
   """Checks the checkpoint against `abstract` (eval_shape of the model's init), then converts it
   leaf by leaf into `dtype` arrays placed by `put`; `finalize(path, array)` may turn each leaf
   into other leaves ({path: array}) before the next is read (float8 storage). Returns the tree."""
-  sources = table.plan(abstract, family.STACKED, files, rows)
-  leaves = table.load_leaves(abstract, family.STACKED, files, sources, np.dtype(dtype), put)
+  sources = table.sources(abstract, family.stacked, files, rows)
+  leaves = table.load_leaves(abstract, family.stacked, files, sources, np.dtype(dtype), put)
   n = len(table.flatten(abstract))
   flat = {}
   for path, value in tqdm(leaves, total=n, desc="loading weights", disable=not progress, unit="tensor"):

@@ -162,7 +162,7 @@ def to_single_file(tensors: Mapping[str, np.ndarray], rows: Sequence[Row]) -> Di
 # ------------------------------------------------------------------------------------------------
 
 
-def plan(abstract: Mapping, stacked: Sequence[str], files, rows: Sequence[Row] = None):
+def sources(abstract: Mapping, stacked: Sequence[str], files, rows: Sequence[Row] = None):
   """For every Flax leaf and layer: the checkpoint key and row ranges to read.
 
   Checks the whole checkpoint against the model before anything is read, and raises one
@@ -170,15 +170,15 @@ def plan(abstract: Mapping, stacked: Sequence[str], files, rows: Sequence[Row] =
   """
   expected = torch_shapes(abstract, stacked)
   if rows is None:
-    sources = {k: (k, None) for k in expected}
+    found = {k: (k, None) for k in expected}
     want_shape = dict(expected)
   else:
-    sources = single_file_sources(rows, expected)
+    found = single_file_sources(rows, expected)
     want_shape = {}  # a fused tensor: the parts' rows stacked, the parts' other dims
-    for key, (single, ranges) in sources.items():
+    for key, (single, ranges) in found.items():
       rows_so_far = want_shape.get(single, (0,))[0]
       want_shape[single] = (max([rows_so_far] + [b for _, b in ranges]),) + expected[key][1:]
-  unmapped = sorted(set(expected) - set(sources))
+  unmapped = sorted(set(expected) - set(found))
   missing = sorted(k for k in want_shape if k not in files)
   unexpected = sorted(set(files.keys()) - set(want_shape))
   misshaped = sorted(f"{k}: file {files.shape(k)}, model {want_shape[k]}"
@@ -189,7 +189,7 @@ def plan(abstract: Mapping, stacked: Sequence[str], files, rows: Sequence[Row] =
                              ("mis-shaped", misshaped), ("not in the conversion table", unmapped))
              if v]
     raise CheckpointError("the checkpoint does not match the model:\n  " + "\n  ".join(lines))
-  return sources
+  return found
 
 
 def read_tensor(files, source) -> np.ndarray:

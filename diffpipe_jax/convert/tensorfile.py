@@ -13,6 +13,7 @@ from typing import Dict, Iterable, Tuple
 import ml_dtypes
 import numpy as np
 
+from diffpipe_jax.errors import UserError
 from diffpipe_jax.files import atomic_write
 
 DTYPES = {
@@ -23,7 +24,7 @@ DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
   """A checkpoint that cannot be used as given; the message says what is wrong and what to do."""
 
 

@@ -1,12 +1,13 @@
 """FLUX.1 transformer (dev with guidance embedding, schnell without) in Flax.
 
-Reimplements diffusers `FluxTransformer2DModel` with the same parameter names; the 19 double-
-and 38 single-stream blocks are stacked along a leading layer axis and run by `lax.scan`, so
+Reimplements diffusers `FluxTransformer2DModel` with the same parameter names (the names its
+LoRAs are exported in); the 19 double- and 38 single-stream blocks are two stacks (`stacks`), so
 their parameters are one array per weight (`transformer_blocks/attn/to_q/kernel` is
-[num_layers, D, D]) that a pipeline splits over the mesh's `stage` axis.
+[num_layers, D, D]) that the block runtime runs scanned, unrolled or pipelined.
 
 `SINGLE_FILE_TABLE` maps the Black Forest Labs single-file layout (`flux1-dev.safetensors`) onto
-the diffusers names; `diffpipe_jax.convert` reads it in both directions.
+the diffusers names; `diffpipe_jax.convert` reads it in both directions. `FAMILY`, at the end,
+is what the trainer knows of Flux.
 """
 import dataclasses
 from typing import Callable, Optional, Sequence
@@ -15,7 +16,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from diffpipe_jax import flow, stacks
 from diffpipe_jax.convert.table import Row
+from diffpipe_jax.errors import UserError
+from diffpipe_jax.family import Family, SingleFile
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
 
@@ -45,10 +49,6 @@ class FluxConfig:
 STACKED = ("transformer_blocks", "single_transformer_blocks")
 # diffusion-pipe's LoRA targets: every Linear inside the blocks, AdaLN modulation included.
 LORA_TARGETS = (r"transformer_blocks\..*", r"single_transformer_blocks\..*")
-FLOAT8_TARGETS = LORA_TARGETS  # the frozen weights that float8 storage covers: the blocks' Linears
-SHARED_INPUTS = ("img_ids", "txt_ids")  # forward inputs without a batch axis
-LORA_PREFIX = "transformer."  # the key prefix that diffusers' and ComfyUI's Flux loaders expect
-DIFFUSERS_CLASS = "FluxTransformer2DModel"
 
 
 def config_from_diffusers(cfg: dict) -> FluxConfig:
@@ -126,9 +126,6 @@ SINGLE_FILE_TABLE = (
     # BFL orders the final modulation (shift, scale); diffusers' AdaLayerNormContinuous (scale, shift).
     Row("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap_halves=True),
 )
-# A key that tells a BFL Flux file from other models' files; the prefixes ComfyUI-style files carry.
-SINGLE_FILE_SIGNATURE = "double_blocks.0.img_attn.qkv.weight"
-SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 
 class DoubleBlock(layers.Module):
@@ -145,10 +142,10 @@ class DoubleBlock(layers.Module):
     c, kw = self.cfg, self.kw
     mod = layers.AdaLNModulation(c.inner_dim, 6, name="norm1", **kw)(temb)
     cmod = layers.AdaLNModulation(c.inner_dim, 6, name="norm1_context", **kw)(temb)
-    img_attn, txt_attn = layers.Attention(
+    img_attn, txt_attn = layers.JointAttention(
         c.num_attention_heads, c.attention_head_dim, implementation=self.attention_impl,
-        name="attn", **kw)(layers.modulate(layers.layer_norm(img), mod[0], mod[1]), rope,
-                           context=layers.modulate(layers.layer_norm(txt), cmod[0], cmod[1]))
+        name="attn", **kw)(layers.modulate(layers.layer_norm(img), mod[0], mod[1]),
+                           layers.modulate(layers.layer_norm(txt), cmod[0], cmod[1]), rope)
     img = self._residual_mlp(img, img_attn, mod, "ff")
     txt = self._residual_mlp(txt, txt_attn, cmod, "ff_context")
     return jnp.concatenate([txt, img], axis=1)
@@ -173,13 +170,13 @@ class SingleBlock(layers.Module):
     shift, scale, gate = layers.AdaLNModulation(c.inner_dim, 3, name="norm", **kw)(temb)
     h = layers.modulate(layers.layer_norm(x), shift, scale)
     mlp = nn.gelu(Linear(int(c.inner_dim * c.mlp_ratio), name="proj_mlp", **kw)(h), approximate=True)
-    attn = layers.Attention(c.num_attention_heads, c.attention_head_dim, pre_only=True,
-                            implementation=self.attention_impl, name="attn", **kw)(h, rope)
+    attn = layers.SelfAttention(c.num_attention_heads, c.attention_head_dim, output=False,
+                                implementation=self.attention_impl, name="attn", **kw)(h, rope)
     out = Linear(c.inner_dim, name="proj_out", **kw)(jnp.concatenate([attn, mlp], axis=-1))
     return x + gate[:, None] * out
 
 
-def stack_layouts(cfg: FluxConfig):
+def block_stacks(cfg: FluxConfig):
   """(stack name, layers, relative cost of a layer) in execution order. A double block has
   2.4x the weights of a single one but the same matmul FLOPs per token (12 D^2: qkv 3, out 1,
   MLP 8 against qkv 3, MLP 4, fused out 5) and the same attention, so both cost 1."""
@@ -191,11 +188,11 @@ class Flux(layers.Module):
   cfg: FluxConfig
   attention_impl: Optional[str] = None
   remat: Optional[Callable] = None  # a jax.checkpoint policy for each block, None: no remat
-  scan_layers: bool = True  # False: the blocks unrolled (see layers.run_layers)
+  unrolled: bool = False  # the blocks unrolled rather than scanned (see stacks.run_unrolled)
 
   @nn.compact
   def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
-               img_ids, txt_ids, guidance=None, run_stacks=layers.run_stacks):
+               img_ids, txt_ids, guidance=None, run_stacks=stacks.run_stacks):
     """hidden_states [B, L, C] packed latents; encoder_hidden_states [B, T, joint_dim];
     pooled_projections [B, pooled_dim]; timestep [B] in [0, 1]; img_ids [L, 3]; txt_ids [T, 3];
     guidance [B] (dev only). Returns the prediction [B, L, C_out].
@@ -218,15 +215,15 @@ class Flux(layers.Module):
 
     rope = layers.rope_tables(jnp.concatenate([txt_ids, img_ids], axis=0), c.axes_dims_rope, 10000.0)
     x = jnp.concatenate([txt, img], axis=1)
-    stacks = []
-    for (name, length, _), block in zip(stack_layouts(c), (DoubleBlock, SingleBlock)):
+    blocks = []
+    for (name, length, _), block in zip(block_stacks(c), (DoubleBlock, SingleBlock)):
       block = block(c, txt.shape[1], self.attention_impl, parent=None, **kw)
-      stacks.append(layers.Stack(
+      blocks.append(stacks.Stack(
           name, block, length, layers.stacked_params(self, name, block, length, x, temb, rope),
           self.get_variable("lora", name) if self.has_variable("lora", name) else None))
     key = self.make_rng("dropout") if self.lora_dropout > 0 else None
-    img = run_stacks(stacks, x, (temb,), (rope,), remat=self.remat, key=key,
-                     scan=self.scan_layers)[:, txt.shape[1]:]
+    img = run_stacks(blocks, x, (temb,), (rope,), remat=self.remat, key=key,
+                     unrolled=self.unrolled)[:, txt.shape[1]:]
 
     scale, shift = layers.AdaLNModulation(c.inner_dim, 2, name="norm_out", **kw)(temb)
     out_dim = c.patch_size ** 2 * c.out_channels
@@ -258,18 +255,38 @@ def check_inputs(cfg: FluxConfig, inputs: dict) -> dict:
   return out
 
 
-def make_module(cfg: FluxConfig, **kw):
-  return Flux(cfg, **kw)
+def checkpoint_path(model_config) -> str:
+  """`model.transformer_path` (a BFL single file), else `model.diffusers_path`."""
+  path = model_config.transformer_path or model_config.diffusers_path
+  if not path:
+    raise UserError("set --config.model.diffusers_path or --config.model.transformer_path "
+                    "(or run the embedded default: --config configs/flux.py:tiny)")
+  return path
 
 
-def training_inputs(cfg: FluxConfig, batch: dict, noisy, t, guidance: float) -> dict:
+def training_inputs(model_config, cfg: FluxConfig, batch: dict, noisy, t) -> dict:
   """Model inputs for a batch of cached samples: packed latents [B, L, C] (here already noised),
-  T5 states `text` [B, T, D], CLIP `pooled` [B, D'], position ids `img_ids` [B, L, 3]."""
+  T5 states `text` [B, T, D], CLIP `pooled` [B, D'], `position_ids` [B, L, 3]; the guidance
+  embedding (FLUX.1-dev) takes `model.guidance`."""
   n = noisy.shape[0]
   return dict(hidden_states=noisy, encoder_hidden_states=batch["text"],
-              pooled_projections=batch["pooled"], timestep=t, img_ids=batch["img_ids"][0],
+              pooled_projections=batch["pooled"], timestep=t, img_ids=batch["position_ids"][0],
               txt_ids=jnp.zeros((batch["text"].shape[1], 3), jnp.float32),
-              guidance=jnp.full((n,), guidance, jnp.float32) if cfg.guidance_embeds else None)
+              guidance=jnp.full((n,), model_config.guidance, jnp.float32) if cfg.guidance_embeds else None)
+
+
+def shift_mu(image_tokens):
+  """FluxPipeline's resolution-dependent shift: mu linear in image tokens, 0.5 at 256 to 1.15
+  at 4096."""
+  return 0.5 + (1.15 - 0.5) * (image_tokens - 256) / (4096 - 256)
+
+
+def shift_timesteps(model_config, t, latents):
+  """`model.shift`, or with `model.flux_shift` the shift FluxPipeline samples with at this
+  resolution (`shift_mu` of the latents' tokens)."""
+  if model_config.flux_shift:
+    return flow.exponential_shift(t, shift_mu(latents.shape[1]))
+  return flow.shift_timesteps(t, model_config.shift)
 
 
 def position_ids(grid) -> np.ndarray:
@@ -285,14 +302,15 @@ def image_ids(height: int, width: int) -> np.ndarray:
   return ids.reshape(-1, 3)
 
 
-def random_batch(cfg: FluxConfig, batch=1, height=2, width=2, txt_len=3, seed=0) -> dict:
+def random_batch(cfg: FluxConfig, batch=1, height=4, width=4, txt_len=6, seed=0) -> dict:
   """`random_inputs` as a batch of cached samples (what `training_inputs` takes)."""
   inputs = random_inputs(cfg, batch, height, width, txt_len, seed)
   return dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
-              pooled=inputs["pooled_projections"], img_ids=np.stack([inputs["img_ids"]] * batch))
+              pooled=inputs["pooled_projections"],
+              position_ids=np.stack([inputs["img_ids"]] * batch))
 
 
-def random_inputs(cfg: FluxConfig, batch=1, height=2, width=2, txt_len=3, seed=0) -> dict:
+def random_inputs(cfg: FluxConfig, batch=1, height=4, width=4, txt_len=6, seed=0) -> dict:
   """Random forward inputs for a packed latent grid of height x width tokens (numpy float32)."""
   rng = np.random.default_rng(seed)
   normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
@@ -303,3 +321,30 @@ def random_inputs(cfg: FluxConfig, batch=1, height=2, width=2, txt_len=3, seed=0
       timestep=rng.uniform(0.05, 1.0, batch).astype(np.float32),
       img_ids=image_ids(height, width), txt_ids=np.zeros((txt_len, 3), np.float32),
       guidance=rng.uniform(1.0, 5.0, batch).astype(np.float32) if cfg.guidance_embeds else None)
+
+
+FAMILY = Family(
+    type="flux",
+    diffusers_class="FluxTransformer2DModel",
+    config_from_diffusers=config_from_diffusers,
+    single_file=SingleFile(
+        rows=SINGLE_FILE_TABLE,
+        signature="double_blocks.0.img_attn.qkv.weight",  # tells a BFL Flux file from others
+        prefixes=("model.diffusion_model.", "diffusion_model."),  # ComfyUI-style repackagings
+        config=config_from_single_file),
+    checkpoint_path=checkpoint_path,
+    make_module=Flux,
+    stacks=block_stacks,
+    stacked=STACKED,
+    lora_targets=LORA_TARGETS,
+    float8_targets=LORA_TARGETS,  # the frozen weights that float8 storage covers: the blocks' Linears
+    lora_prefix="transformer.",
+    check_inputs=check_inputs,
+    random_inputs=random_inputs,
+    random_batch=random_batch,
+    shared_inputs=("img_ids", "txt_ids"),
+    position_ids=position_ids,
+    shift_timesteps=shift_timesteps,
+    training_inputs=training_inputs,
+    torch_side="diffpipe_jax.encoders.flux",
+)

@@ -5,8 +5,8 @@ over it, so XLA all-reduces the LoRA gradients. Pipeline parallelism (stages > 1
 `pipeline.py`): the block stacks' weights, LoRA and Adam moments are stored per stage, sharded
 over 'stage'; everything else (embedders, final layers) is replicated. Block swapping (one
 stage): the frozen weights of `blocks_to_swap` blocks, spread evenly over the last stacks, live
-in pinned host memory. Layers unrolled (`scan_layers=False`, one stage): every stacked leaf
-(weights, LoRA, Adam moments) is stored one array per layer (`layers.LayerArrays`), the
+in pinned host memory. Layers unrolled (`unrolled=True`, one stage): every stacked leaf
+(weights, LoRA, Adam moments) is stored one array per layer (`stacks.LayerArrays`), the
 swapped layers' weights in host memory.
 """
 import dataclasses
@@ -17,9 +17,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from diffpipe_jax.models.layers import (SWAP_NEEDS_ONE_STAGE, LayerArrays, Swapped, layer_bytes,
-                                       pack_layers, restack, split_layers, swap_positions, unstack)
+from diffpipe_jax.errors import UserError
 from diffpipe_jax.sharding import pipeline as pipeline_lib
+from diffpipe_jax.stacks import (SWAP_NEEDS_ONE_STAGE, LayerArrays, Swapped, layer_bytes, pack_layers,
+                                 restack, split_layers, swap_positions, unstack)
 
 AXES = ("data", "stage")
 
@@ -29,7 +30,7 @@ def make_mesh(pipeline_stages: int = 1, devices=None) -> Mesh:
   group is consecutive devices, so that the pipeline's transfers stay within a host."""
   devices = list(devices if devices is not None else jax.devices())
   if pipeline_stages < 1 or len(devices) % pipeline_stages:
-    raise ValueError(f"pipeline_stages={pipeline_stages} does not divide the {len(devices)} devices; "
+    raise UserError(f"pipeline_stages={pipeline_stages} does not divide the {len(devices)} devices; "
                      f"use a divisor of {len(devices)}")
   grid = np.array(devices).reshape(len(devices) // pipeline_stages, pipeline_stages)
   return Mesh(grid, AXES)
@@ -68,7 +69,7 @@ class Layout:
   stacked: tuple
   plan: Optional[pipeline_lib.Plan] = None
   swap: tuple = ()  # ((stack name, how many of its layers live in pinned host memory), ...)
-  per_layer: bool = False  # stacked leaves stored one array per layer (layers unrolled)
+  unrolled: bool = False  # stacked leaves stored one array per layer (layers unrolled)
 
   @property
   def pipeline(self) -> Optional[pipeline_lib.Pipeline]:
@@ -78,14 +79,14 @@ class Layout:
     return tree_shardings(self.mesh, tree, param_rules(self.stacked, self.plan is not None))
 
   def to_stages(self, tree):
-    """Plain layer layout -> this layout (identity without a pipeline or `per_layer`); jit-able."""
-    if self.per_layer:
+    """Plain layer layout -> this layout (identity without a pipeline or `unrolled`); jit-able."""
+    if self.unrolled:
       return pipeline_lib.map_stacked(lambda name, leaf: unstack(leaf), tree, self.stacked)
     return tree if self.plan is None else pipeline_lib.map_stacked(self.plan.to_stages, tree, self.stacked)
 
   def to_layers(self, tree):
     """This layout -> the plain layer layout that checkpoints and exports use."""
-    if self.per_layer:
+    if self.unrolled:
       return restack(tree)
     return tree if self.plan is None else pipeline_lib.map_stacked(self.plan.to_layers, tree, self.stacked)
 
@@ -107,10 +108,10 @@ class Layout:
   def settle(self, path, weight):
     """A placed frozen weight; in a stack with swapped layers, `Swapped`: its swapped layers moved
     to host memory, one array each (`pack` gathers them once every weight is placed); stacked and
-    `per_layer`, one array per layer, the swapped layers' in host memory."""
+    `unrolled`, one array per layer, the swapped layers' in host memory."""
     name = pipeline_lib.is_stacked_path(path, self.stacked)
     layers = dict(self.swap).get(name, 0)
-    if self.per_layer and name is not None:
+    if self.unrolled and name is not None:
       host = swap_positions(weight.shape[0], layers) if layers else ()
       return LayerArrays(tuple(jax.device_put(a, self.host_memory) if i in host else a
                                for i, a in enumerate(unstack(weight).arrays)))
@@ -121,10 +122,10 @@ class Layout:
 
   def pack(self, params):
     """The placed frozen weights with each swapped stack's weights (`settle`d) in their final
-    form, one host buffer per layer (`layers.pack_layers`), packed one layer at a time, so that
-    the device holds one layer's copy at most. Per layer, each swapped layer's weights stay
+    form, one host buffer per layer (`stacks.pack_layers`), packed one layer at a time, so that
+    the device holds one layer's copy at most. Unrolled, each swapped layer's weights stay
     host arrays of their own (`programs` copies each layer's beside the compute)."""
-    if self.per_layer:
+    if self.unrolled:
       return params
     pack_layer = jax.jit(layer_bytes, out_shardings=self.host_memory)
     return {**params, **{name: pack_layers(params[name], pack_layer) for name, _ in self.swap}}
@@ -134,34 +135,34 @@ class Layout:
     return NamedSharding(self.mesh, P(), memory_kind="pinned_host")
 
 
-def swapped_layers(stack_layouts, blocks_to_swap: int) -> tuple:
+def swapped_layers(block_stacks, blocks_to_swap: int) -> tuple:
   """((stack name, layers), ...): `blocks_to_swap` blocks taken from the model's last stack first,
-  spread evenly over each stack (`layers.swap_positions`)."""
-  total = sum(length for _, length, _ in stack_layouts)
+  spread evenly over each stack (`stacks.swap_positions`)."""
+  total = sum(length for _, length, _ in block_stacks)
   if not 0 <= blocks_to_swap <= total:
-    raise ValueError(f"blocks_to_swap={blocks_to_swap}; the model has {total} blocks")
+    raise UserError(f"blocks_to_swap={blocks_to_swap}; the model has {total} blocks")
   swap, left = [], blocks_to_swap
-  for name, length, _ in reversed(stack_layouts):
+  for name, length, _ in reversed(block_stacks):
     if left:
       swap.append((name, min(length, left)))
       left -= swap[-1][1]
   return tuple(swap)
 
 
-def make_layout(mesh: Mesh, family, model_config, microbatches: int, blocks_to_swap: int = 0,
-                scan_layers: bool = True, **plan_options) -> Layout:
-  """The layout on `mesh`; with more than one stage, the pipeline plan for the family's block
-  stacks (`plan.describe()` prints it) and `microbatches` microbatches a step; on one stage,
-  the frozen weights of `blocks_to_swap` blocks in pinned host memory, and with the layers
-  unrolled (`scan_layers=False`, see `models.remat_policy`), every stacked leaf per layer."""
+def make_layout(mesh: Mesh, block_stacks, microbatches: int, blocks_to_swap: int = 0,
+                unrolled: bool = False, **plan_options) -> Layout:
+  """The layout on `mesh` of a model whose block stacks are `block_stacks` ((name, layers,
+  relative cost), in order: a family's `stacks(cfg)`); with more than one stage, their pipeline
+  plan (`plan.describe()` prints it) for `microbatches` microbatches a step; on one stage, the
+  frozen weights of `blocks_to_swap` blocks in pinned host memory, and with the layers
+  `unrolled` (see `stacks.remat_policy`), every stacked leaf per layer."""
   plan = None
   if mesh.shape["stage"] > 1:
     if blocks_to_swap:
-      raise ValueError(SWAP_NEEDS_ONE_STAGE)
-    plan = pipeline_lib.make_plan(family.stack_layouts(model_config), mesh.shape["stage"],
-                                  microbatches, **plan_options)
-  swap = swapped_layers(family.stack_layouts(model_config), blocks_to_swap)
-  return Layout(mesh, tuple(family.STACKED), plan, swap, per_layer=not scan_layers)
+      raise UserError(SWAP_NEEDS_ONE_STAGE)
+    plan = pipeline_lib.make_plan(block_stacks, mesh.shape["stage"], microbatches, **plan_options)
+  swap = swapped_layers(block_stacks, blocks_to_swap)
+  return Layout(mesh, tuple(name for name, _, _ in block_stacks), plan, swap, unrolled=unrolled)
 
 
 def global_batch(mesh: Mesh, local_batch, batch_axis: int = 1):

@@ -1,6 +1,6 @@
 """Pipeline parallelism over the mesh's 'stage' axis: a circular schedule in one `jax.shard_map`.
 
-Each block stack (Flux: 19 double, then 38 single blocks) is cut into chunks of `per_stage`
+Each block stack (a model may have several, run one after the other) is cut into chunks of `per_stage`
 layers. A microbatch visits stage 0, 1, ..., S-1 once per round ("visit"): with S stages and k
 layers a chunk, layer l runs on stage (l // k) % S in visit l // (S k). A stack of L layers takes
 ceil(L / (S k)) visits; the last visit's missing layers are padding that passes activations
@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from diffpipe_jax.models import layers
+from diffpipe_jax import stacks as stacks_lib
+from diffpipe_jax.errors import UserError
 
-# The cost of a tick beyond its layers (transfers, buffer updates, loop), in layers. Measured on
-# 2 H200s (FLUX.1-dev, 1024^2, 8 microbatches; BENCHMARKS.md): the plan this value gives (1-2
-# layers a tick, 194 ticks) ran a step in 2.38 s, the plan of 0.2 (5 layers, 50 ticks) in 2.46 s.
+# The cost of a tick beyond its layers (transfers, buffer updates, loop), in layers; chosen by
+# measurement on 2 H200s (BENCHMARKS.md, the pipeline's tick overhead).
 TICK_OVERHEAD = 0.05
 
 
@@ -114,15 +114,15 @@ class Plan:
     return self.to_stages(name, np.ones((self.segment(name).length,), bool))
 
 
-def make_plan(stack_layouts: Sequence, stages: int, microbatches: int,
+def make_plan(block_stacks: Sequence, stages: int, microbatches: int,
               tick_overhead: float = TICK_OVERHEAD) -> Plan:
-  """The chunk size of each stack with the cheapest schedule. `stack_layouts` lists (name,
-  layers, relative cost of a layer) in execution order (a model family's `stack_layouts`)."""
+  """The chunk size of each stack with the cheapest schedule. `block_stacks` lists (name,
+  layers, relative cost of a layer) in execution order (a model family's `stacks`)."""
   if stages < 1 or microbatches < 1:
-    raise ValueError(f"need stages >= 1 and microbatches >= 1, got {stages} and {microbatches}")
+    raise UserError(f"need stages >= 1 and microbatches >= 1, got {stages} and {microbatches}")
   plan = lambda segments: Plan(stages, microbatches, tuple(segments), tick_overhead)
   best = []
-  for name, length, cost in stack_layouts:  # stacks run one after the other: each on its own
+  for name, length, cost in block_stacks:  # stacks run one after the other: each on its own
     choices = [Segment(name, length, k, -(-length // (stages * k)), cost)
                for k in range(1, -(-length // stages) + 1)]
     best.append(min(choices, key=lambda s: (round(plan([s]).cost(), 6), plan([s]).ticks(s))))
@@ -148,13 +148,13 @@ def map_stacked(fn, tree, names):
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
-  """`run` has the signature of `layers.run_stacks` and runs the stacks pipelined over `mesh`."""
+  """`run` has the signature of `stacks.run_stacks` and runs the stacks pipelined over `mesh`."""
   mesh: Mesh
   plan: Plan
 
-  def run(self, stacks: Sequence[layers.Stack], x, per_sample, shared, *, remat=None, key=None,
-          scan=True):
-    assert scan, "a pipeline's chunks are scanned (models.remat_policy rejects scan_layers=False)"
+  def run(self, stacks: Sequence[stacks_lib.Stack], x, per_sample, shared, *, remat=None, key=None,
+          unrolled=False):
+    assert not unrolled, "a pipeline's chunks are scanned (stacks.remat_policy rejects unrolled)"
     plan, M = self.plan, self.plan.microbatches
     if x.shape[0] % M:
       raise ValueError(f"a batch of {x.shape[0]} does not split into {M} microbatches")
@@ -191,8 +191,8 @@ def _run_segment(plan: Plan, segment: Segment, stack, x, per_sample, shared, val
 
   def chunk(h, visit, m):  # this stage's layers of the visit, each rematerialised by `remat`
     args = (*[a[m] for a in per_sample], *shared)
-    return layers.run_layers(stack, h, args, remat=remat, start=visit * k, count=k, valid=valid,
-                             key=None if key is None else jax.random.fold_in(key, m))
+    return stacks_lib.run_chunk(stack, h, args, start=visit * k, count=k, valid=valid, remat=remat,
+                                key=None if key is None else jax.random.fold_in(key, m))
 
   def tick(carry, t):
     state, returned, out = carry

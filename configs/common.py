@@ -1,0 +1,113 @@
+"""The keys every family shares (run, optimizer, dataset, checkpoints, memory), with
+diffusion-pipe's names; a family's config adds its `model` section and its variants.
+
+Speed and memory of the settings below, per family and GPU: BENCHMARKS.md.
+"""
+import ml_collections
+
+
+def base(model_type: str) -> ml_collections.ConfigDict:
+  """Every key but the family's own `model` keys, which `model(model_type)` starts."""
+  c = ml_collections.ConfigDict()
+  c.output_dir = f"runs/{model_type.replace('-', '_')}"
+  c.seed = 0
+  c.generate_tiny = False  # write a tiny random pipeline and image set to the paths if absent
+  c.epochs = 100
+  c.max_steps = 0  # stop after this many steps (0: run all epochs)
+  c.micro_batch_size_per_gpu = 1
+  c.pipeline_stages = 1  # devices per pipeline; data parallel over the rest
+  c.gradient_accumulation_steps = 1
+  c.gradient_clipping = 1.0  # global norm; 0 disables
+  c.warmup_steps = 0
+  c.lr_scheduler = "constant"  # constant | linear | cosine (after warm-up)
+  c.save_every_n_epochs = 1  # LoRA exports to epochN/
+  c.save_every_n_steps = 0  # ... and stepN/ (0: off)
+  c.save_dtype = "bfloat16"
+  c.checkpoint_every_n_minutes = 120  # resumable training state to global_stepN/
+  c.checkpoint_every_n_steps = 0
+  c.checkpoints_to_keep = 3
+  # "none": fastest, most memory; "block": remat each block; "block_save_dots": keep each
+  # block's matmul outputs; "block_offload": "block" with each block's input kept in host
+  # memory until the backward pass (less memory, slower)
+  c.activation_checkpointing = "block"
+  # True (one stage; any activation_checkpointing but "block_offload"): the blocks unrolled and
+  # the step run as programs per block, faster and leaner than the scan (False)
+  c.unrolled = False
+  # Compiled programs (and XLA's GPU autotuning results) kept across runs, so that a relaunch, a
+  # resume or another run of the same shapes skips compiling each bucket's step; "" turns it off
+  # (JAX_COMPILATION_CACHE_DIR, when set, wins)
+  c.compilation_cache_dir = "~/.cache/diffpipe-jax/xla"
+  # N blocks' frozen weights (the last stack's first, spread evenly) stay in pinned host memory
+  # and are copied to the GPU beside the compute, forward and again backward (one stage only;
+  # scanned, their stack is rematerialised block by block)
+  c.blocks_to_swap = 0
+
+  c.model = model(model_type)
+
+  c.adapter = ml_collections.ConfigDict()
+  c.adapter.type = "lora"
+  c.adapter.rank = 32
+  c.adapter.dtype = "float32"
+  c.adapter.dropout = 0.0
+  c.adapter.init_from_existing = ""  # a LoRA of ours (directory or .safetensors) to continue
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.type = "adamw"
+  c.optimizer.lr = 2e-5
+  c.optimizer.betas = (0.9, 0.99)
+  c.optimizer.weight_decay = 0.01
+  c.optimizer.eps = 1e-8
+
+  c.dataset = ml_collections.ConfigDict()  # diffusion-pipe's dataset keys
+  c.dataset.path = ""  # a directory of images (and same-stem .txt captions)
+  c.dataset.toml_path = ""  # or a diffusion-pipe dataset.toml, as is
+  c.dataset.resolutions = (1024,)  # areas: 1024 means 1024x1024 pixels worth
+  c.dataset.enable_ar_bucket = True
+  c.dataset.min_ar = 0.5
+  c.dataset.max_ar = 2.0
+  c.dataset.num_ar_buckets = 7
+  c.dataset.num_repeats = 1
+  c.dataset.caption_prefix = ""
+  c.caching_batch_size = 1
+
+  # Eval: name -> dict(path=...), the dataset's bucket settings; loss at fixed t quantiles.
+  c.eval_datasets = ml_collections.ConfigDict()
+  c.eval_every_n_steps = 0
+  c.eval_every_n_epochs = 1
+  c.eval_before_first_step = True
+  return c
+
+
+def model(model_type: str) -> ml_collections.ConfigDict:
+  """The `model` keys every family has; its config file adds its paths and its own keys."""
+  m = ml_collections.ConfigDict()
+  m.type = model_type  # diffusion-pipe's model.type: which family (diffpipe_jax.family)
+  m.dtype = "bfloat16"  # compute and frozen-weight dtype
+  # "float8": the blocks' frozen Linears in float8_e4m3fn, and their matmuls in float8
+  m.transformer_dtype = ""
+  m.timestep_sample_method = "logit_normal"  # or uniform
+  m.sigmoid_scale = 1.0
+  m.shift = 1.0  # t' = s t / (1 + (s - 1) t); 1 is no shift
+  return m
+
+
+def tiny(c: ml_collections.ConfigDict, pipeline_dir: str) -> ml_collections.ConfigDict:
+  """The `:tiny` variant's shared settings: a random tiny pipeline written to `pipeline_dir`
+  and a small synthetic captioned image set on first use, float32, a few steps (CPU, no
+  downloads)."""
+  c.output_dir += "_tiny"
+  c.epochs = 4
+  c.micro_batch_size_per_gpu = 2
+  c.gradient_accumulation_steps = 2  # 12 images in 3 aspect buckets: 3 steps an epoch
+  c.checkpoint_every_n_steps = 4
+  c.save_dtype = "float32"
+  c.generate_tiny = True
+  c.model.diffusers_path = pipeline_dir
+  c.model.dtype = "float32"
+  c.adapter.rank = 4
+  c.optimizer.lr = 1e-3
+  c.dataset.path = "runs/tiny/images"
+  c.dataset.resolutions = (32,)
+  c.caching_batch_size = 4
+  c.eval_datasets.tiny_eval = dict(path="runs/tiny/eval_images")
+  return c

@@ -1,0 +1,92 @@
+"""A model family as one record, and the families by diffusion-pipe's `model.type`.
+
+Each model file (`models/<family>.py`, named after its model.type: `ltx-video` is
+`models/ltx_video.py`) ends with `FAMILY = Family(...)`: everything the generic
+trainer needs to know about the family, as data or functions. The record is frozen and has no
+defaults, so a family that misses a field fails when its file is imported, not three modules
+later. Its torch side (VAE and text encoders, the tiny pipeline writer) is a module of its own,
+`encoders/<family>.py`, ending with `TORCH_SIDE = TorchSide(...)`, imported only when caching
+or writing tiny models (`torch_side`). Generic code resolves the family once (`get`) and then
+passes the record around.
+"""
+import dataclasses
+import importlib
+import importlib.util
+import pkgutil
+from typing import Callable, Optional
+
+from diffpipe_jax.errors import UserError
+
+MODELS = "diffpipe_jax.models"  # a family per module, but for the layers they share
+SHARED = ("layers",)
+PLANNED = ("ltx-video", "hunyuan-video")  # diffusion-pipe types that have no model file yet
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SingleFile:
+  """An original single-file layout (BFL's Flux, Lightricks' LTX, ...): its conversion `rows`
+  onto the Flax (diffusers) names (`convert.table`), a key that identifies the model, the key
+  prefixes of repackaged files, and `config(shapes, axes_dims_rope)`: the model config from the
+  tensor shapes."""
+  rows: tuple
+  signature: str
+  prefixes: tuple
+  config: Callable
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Family:
+  """One model family. `cfg` below is the family's model config (its `config_from_diffusers`);
+  `model_config` the trainer config's `model` section."""
+  type: str  # diffusion-pipe's model.type
+  diffusers_class: str  # the diffusers transformer class (config.json's `_class_name`)
+  config_from_diffusers: Callable  # config.json dict -> cfg
+  single_file: Optional[SingleFile]  # the original single-file layout, if the family has one
+  checkpoint_path: Callable  # model_config -> the transformer's path (a folder or a file)
+  make_module: Callable  # (cfg, dtype=, param_dtype=, attention_impl=, remat=, unrolled=) -> module
+  stacks: Callable  # cfg -> ((stack name, layers, relative cost of a layer), ...), in order
+  stacked: tuple  # the stacks' names (parameter subtrees with a leading layer axis)
+  lora_targets: tuple  # full-match regexes over module names: the Linears that get a LoRA
+  float8_targets: tuple  # ... whose frozen kernels float8 storage covers
+  lora_prefix: str  # the key prefix of exported LoRAs (what diffusers' and ComfyUI's loaders expect)
+  check_inputs: Callable  # (cfg, forward inputs) -> the inputs, checked and normalised
+  random_inputs: Callable  # (cfg, batch, grid..., seed=) -> random forward inputs (numpy)
+  random_batch: Callable  # (cfg, batch, grid..., seed=) -> a random batch of cached samples
+  shared_inputs: tuple  # forward inputs without a batch axis
+  position_ids: Callable  # a cached bucket's latent grid -> the position ids of its batches
+  shift_timesteps: Callable  # (model_config, t, latents) -> the training timesteps
+  training_inputs: Callable  # (model_config, cfg, batch, noisy latents, t) -> forward inputs
+  torch_side: str  # the module of its `TorchSide`
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TorchSide:
+  """A family's PyTorch side, for caching and for tests: `load_encoders(model_config, device=,
+  dtype=)` -> `encoders.Encoders`; `write_tiny_pipeline(root, seed=0)` writes a complete tiny
+  pipeline folder; `build_tiny(seed=0, **config)` a random tiny transformer (float32, eval);
+  `save_tiny(model, root)` -> {layout name: path}, the model in every layout the loader takes."""
+  load_encoders: Callable
+  write_tiny_pipeline: Callable
+  build_tiny: Callable
+  save_tiny: Callable
+
+
+def names() -> tuple:
+  """Every family's model.type: one per module of `models/`, found without importing them."""
+  folders = importlib.util.find_spec(MODELS).submodule_search_locations
+  return tuple(sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(folders)
+                      if m.name not in SHARED))
+
+
+def get(model_type: str) -> Family:
+  """The family of diffusion-pipe's `model.type`, its model file imported on first use."""
+  if model_type not in names():
+    planned = " (planned, not built yet)" if model_type in PLANNED else ""
+    raise UserError(f"unknown model type {model_type!r}{planned}; known: {list(names())}")
+  family = importlib.import_module(f"{MODELS}.{model_type.replace('-', '_')}").FAMILY
+  assert family.type == model_type, (family.type, model_type)
+  return family
+
+
+def torch_side(family: Family) -> TorchSide:
+  return importlib.import_module(family.torch_side).TORCH_SIDE

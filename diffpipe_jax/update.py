@@ -1,0 +1,174 @@
+"""The training update: the flow-matching loss of the model with a LoRA, averaged over the step's
+micro-batches inside one jitted update: one micro-batch after another on each device, or all of
+them at once as the microbatches of a pipeline over the mesh's 'stage' axis; with the layers
+unrolled, as programs per block (`programs`). Pure JAX: `train.run` drives it, and the GPU
+benchmarks run it without the data stack.
+"""
+import concurrent.futures
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diffpipe_jax import flow, lora, programs, stacks
+
+
+EVAL_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def model_inputs(batch, key, *, model, config, quantile=None):
+  """(model inputs, flow-matching target, dropout key) for a micro-batch of cached samples.
+  With `quantile`, t is that quantile of the timestep distribution for every sample (evals)."""
+  m = config.model
+  latents = batch["latents"]
+  k_t, k_noise, k_dropout = jax.random.split(key, 3)
+  if quantile is None:
+    t = flow.sample_timesteps(k_t, latents.shape[0], m.timestep_sample_method, m.sigmoid_scale)
+  else:
+    t = jnp.full((latents.shape[0],), flow.quantile_timesteps(quantile, m.timestep_sample_method,
+                                                              m.sigmoid_scale))
+  t = model.family.shift_timesteps(m, t, latents)
+  noise = jax.random.normal(k_noise, latents.shape, latents.dtype)
+  inputs = model.family.training_inputs(m, model.config, batch, flow.noisy_latents(latents, noise, t), t)
+  return inputs, noise - latents, k_dropout
+
+
+def _predict(adapter, params, inputs, dropout_key, *, model, config, train, run_stacks):
+  module = model.module.clone(lora_dropout=config.adapter.dropout if train else 0.0)
+  return module.apply({"params": params, "lora": adapter}, **inputs, run_stacks=run_stacks,
+                      rngs={"dropout": dropout_key})
+
+
+def loss_fn(adapter, params, batch, key, *, model, config, quantile=None,
+            run_stacks=stacks.run_stacks):
+  """Flow-matching loss of one micro-batch; differentiated with respect to `adapter` only."""
+  inputs, target, k_dropout = model_inputs(batch, key, model=model, config=config, quantile=quantile)
+  pred = _predict(adapter, params, inputs, k_dropout, model=model, config=config,
+                  train=quantile is None, run_stacks=run_stacks)
+  return flow.mse(pred, target, batch.get("mask"))
+
+
+def pipelined_loss(adapter, params, batches, keys, *, model, config, pipeline):
+  """The mean of `loss_fn` over a [microbatches, micro batch, ...] stack (same samples, same
+  noise), computed in one pass through `pipeline` with the microbatches in flight together."""
+  inputs, targets, k_dropout = jax.vmap(functools.partial(
+      model_inputs, model=model, config=config))(batches, keys)
+  merge = lambda x: x.reshape(-1, *x.shape[2:])  # [M, micro, ...] -> [M * micro, ...]
+  inputs = {k: None if v is None else v[0] if k in model.family.shared_inputs else merge(v)
+            for k, v in inputs.items()}
+  pred = _predict(adapter, params, inputs, k_dropout[0], model=model, config=config, train=True,
+                  run_stacks=pipeline.run)
+  pred = pred.reshape(targets.shape[:2] + pred.shape[1:])
+  masks = batches.get("mask")
+  return jax.vmap(flow.mse)(pred, targets, *([masks] if masks is not None else [])).mean()
+
+
+def grad_fn(model, config, pipeline=None, unrolled=False):
+  """(adapter, params, batches [A, micro batch, ...], keys [A]) -> (mean loss, mean gradient).
+  Without a pipeline the micro-batches run one after another (the memory of one micro-batch):
+  in a scan; or, `unrolled`, for a caller that must not jit it, in a Python loop, each loss and
+  gradient run as programs split at the block calls (`programs`)."""
+  if pipeline is not None:
+    return jax.value_and_grad(functools.partial(pipelined_loss, model=model, config=config,
+                                                pipeline=pipeline))
+  loss = functools.partial(loss_fn, model=model, config=config)
+  add = lambda total, result: jax.tree.map(jnp.add, total, result)
+  if unrolled:
+    # each micro-batch's loss divided by their number inside its programs: the sum is the mean
+    loss_and_grad = programs.value_and_grad(lambda adapter, params, batch, key, n: loss(
+        adapter, params, batch, key) / n)
+    add = jax.jit(add, donate_argnums=0)
+
+    def accumulate(adapter, params, batches, keys):
+      total = None
+      for a in range(len(keys)):
+        result = loss_and_grad(adapter, params, *jax.tree.map(lambda x: x[a], (batches, keys)),
+                               len(keys))
+        total = result if total is None else add(total, result)
+      return total
+    return accumulate
+
+  loss = jax.value_and_grad(loss)
+  mean = lambda total, n: jax.tree.map(lambda t: t / n, total)
+
+  def accumulate(adapter, params, batches, keys):
+    def micro(grads, batch_and_key):
+      value, g = loss(adapter, params, *batch_and_key)
+      return add(grads, g), value
+    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, adapter), (batches, keys))
+    return losses.mean(), mean(grads, len(losses))
+  return accumulate
+
+
+def init_state(key, adapter=None, *, layer_params, config, tx, family):
+  """The training state in the plain layer layout: a new LoRA for the family's targets (or the
+  given one), its optimizer state and the step count."""
+  if adapter is None:
+    adapter = lora.init(layer_params, family.lora_targets, config.adapter.rank,
+                        jnp.dtype(config.adapter.dtype), key)
+  return dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
+
+
+def apply_gradients(state, loss, g, *, tx):
+  """The state after one optimizer update with the mean gradient `g`, and the step's metrics."""
+  updates, opt_state = tx.update(g, state["opt_state"], state["lora"])
+  new_state = dict(lora=jax.tree.map(jnp.add, state["lora"], updates), opt_state=opt_state,
+                   step=state["step"] + 1)
+  return new_state, dict(loss=loss, grad_norm=optax.tree.norm(g))
+
+
+def train_step(state, params, batches, key, *, grads, update):
+  """One optimizer update from a [accumulation, micro_batch, ...] stack of batches; `grads` is
+  a `grad_fn`, `update` an `apply_gradients`."""
+  n = jax.tree.leaves(batches)[0].shape[0]
+  return update(state, *grads(state["lora"], params, batches, jax.random.split(key, n)))
+
+
+def make_step(model, config, tx, layout):
+  """`train_step` (state, params, batches, key) -> (state, metrics) for the model's layout: one
+  jitted program; or, with the layers unrolled (`layout.unrolled`), the loss and its gradient as
+  a sequence of programs (`programs`: each stack's block forward and backward programs compile
+  once for all its layers), then one jitted update. One program of every unrolled layer would
+  take minutes to compile at full size."""
+  grads = grad_fn(model, config, layout.pipeline, unrolled=layout.unrolled)
+  update = functools.partial(apply_gradients, tx=tx)
+  if not layout.unrolled:
+    return jax.jit(functools.partial(train_step, grads=grads, update=update), donate_argnums=(0,))
+  update = jax.jit(update, donate_argnums=(0,))
+  compiling = []  # the update's compilation, started by the first step
+
+  def compiled_update(*args):
+    compiling[0].result()  # (re-raises what failed)
+    return update(*args)  # jit finds its executable compiled
+
+  def step(state, params, batches, key):
+    # The update of a state stored per layer is a program of thousands of arrays (long to
+    # compile at full size): it compiles in a thread while the first step's programs do.
+    if not compiling:
+      specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+      loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(layout.mesh, P()))
+      compiling.append(_COMPILER.submit(lambda: update.lower(specs, loss, specs["lora"]).compile()))
+    return train_step(state, params, batches, key, grads=grads, update=compiled_update)
+  return step
+
+
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
+
+
+def make_eval(model, config, layout):
+  """`eval_losses` (adapter, params, batch, key) for the model's layout: jitted, or split at its
+  block calls as `make_step` runs its step (`layout.unrolled`)."""
+  evaluate = functools.partial(eval_losses, model=model, config=config, pipeline=layout.pipeline)
+  return programs.split(evaluate) if layout.unrolled else jax.jit(evaluate)
+
+
+def eval_losses(adapter, params, batch, key, *, model, config, pipeline=None):
+  """Losses at the fixed timestep quantiles, with noise fixed by `key` (a [Q] array); through
+  the pipeline as a single microbatch when there is one."""
+  run = stacks.run_stacks if pipeline is None else dataclasses.replace(
+      pipeline, plan=dataclasses.replace(pipeline.plan, microbatches=1)).run
+  return jnp.stack([loss_fn(adapter, params, batch, key, model=model, config=config, quantile=q,
+                            run_stacks=run) for q in EVAL_QUANTILES])
