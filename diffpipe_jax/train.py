@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import time
 
 import jax
@@ -49,6 +50,35 @@ class MetricWriter:
     if self.enabled:
       self.board.close()
       self.jsonl.close()
+
+
+class StopRequests:
+  """SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption) ask the run to stop after the
+  current step, with a checkpoint; a second SIGINT aborts at once. On several processes the
+  signal may reach one of them: `requested` is every process's answer (all save together)."""
+
+  SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+  def __init__(self):
+    self.received = None
+    self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+  def _handle(self, signum, frame):
+    if self.received is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.received = signal.Signals(signum).name
+    print(f"\n{self.received}: stopping after this step with a checkpoint (Ctrl-C again to abort now)",
+          flush=True)
+
+  def requested(self) -> bool:
+    asked = self.received is not None
+    if jax.process_count() > 1:
+      asked = bool(multihost_utils.process_allgather(np.asarray(asked)).any())
+    return asked
+
+  def restore(self):
+    for s, handler in self.previous.items():
+      signal.signal(s, handler)
 
 
 def use_compilation_cache(directory: str):
@@ -227,51 +257,60 @@ def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
     run_evals(0)
   bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
   batch_iter, iter_epoch = None, None
-  while step < total_steps:
-    epoch, index = divmod(step, steps_per_epoch)
-    if iter_epoch != epoch:  # a new epoch, or a resumed run: the schedule continues exactly
-      batch_iter, iter_epoch = dataset.iterate(epoch, index, jax.process_index(), jax.process_count()), epoch
-    batch = next(batch_iter)
-    batches = sharding.global_batch(mesh, jax.tree.map(
-        lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch))
-    state, step_metrics = step_fn(state, params, batches, jax.random.fold_in(key, step))
-    loss, grad_norm = float(step_metrics["loss"]), float(step_metrics["grad_norm"])
-    if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-      raise UserError(f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step + 1}; "
-                      f"stopping. The last good checkpoint in {run_dir} is kept: lower "
-                      "optimizer.lr or check the data, then --resume_from_checkpoint")
-    step += 1
-    lr = float(lr_fn(step - 1))
-    epoch_losses.append(loss)
-    peak_gib = peak_device_memory_gib()
-    metrics.write(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                         **({"train/peak_memory_gib": peak_gib} if peak_gib is not None else {})})
-    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", epoch=epoch + 1,
-                    **({"peak_mem": f"{peak_gib:.1f}G"} if peak_gib is not None else {}))
-    bar.update(1)
+  stop = StopRequests()
+  try:
+    while step < total_steps:
+      epoch, index = divmod(step, steps_per_epoch)
+      if iter_epoch != epoch:  # a new epoch, or a resumed run: the schedule continues exactly
+        batch_iter, iter_epoch = dataset.iterate(epoch, index, jax.process_index(), jax.process_count()), epoch
+      batch = next(batch_iter)
+      batches = sharding.global_batch(mesh, jax.tree.map(
+          lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch))
+      state, step_metrics = step_fn(state, params, batches, jax.random.fold_in(key, step))
+      loss, grad_norm = float(step_metrics["loss"]), float(step_metrics["grad_norm"])
+      if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+        raise UserError(f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step + 1}; "
+                        f"stopping. The last good checkpoint in {run_dir} is kept: lower "
+                        "optimizer.lr or check the data, then --resume_from_checkpoint")
+      step += 1
+      lr = float(lr_fn(step - 1))
+      epoch_losses.append(loss)
+      peak_gib = peak_device_memory_gib()
+      metrics.write(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
+                           **({"train/peak_memory_gib": peak_gib} if peak_gib is not None else {})})
+      bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", epoch=epoch + 1,
+                      **({"peak_mem": f"{peak_gib:.1f}G"} if peak_gib is not None else {}))
+      bar.update(1)
 
-    end_of_epoch = every(step, steps_per_epoch)
-    if end_of_epoch:
-      metrics.write(epoch + 1, {"train/epoch_loss": np.mean(epoch_losses)})
-      epoch_losses = []
-    if end_of_epoch and every(epoch + 1, config.save_every_n_epochs):
-      save_lora(f"epoch{epoch + 1}")
-      last_saved_step = step
-    if every(step, config.save_every_n_steps):
-      save_lora(f"step{step}")
-      last_saved_step = step
-    if evals and (every(step, config.eval_every_n_steps) or (
-        end_of_epoch and every(epoch + 1, config.eval_every_n_epochs))):
-      run_evals(step)
-    due = every(step, config.checkpoint_every_n_steps) or (
-        time.time() - last_checkpoint_time > 60 * config.checkpoint_every_n_minutes)
-    if jax.process_count() > 1:  # every process must take part in a save: process 0's clock decides
-      due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
-    if due or step == total_steps:
-      save_checkpoint(step)
-      last_checkpoint_time = time.time()
-  bar.close()
-  metrics.close()
+      end_of_epoch = every(step, steps_per_epoch)
+      if end_of_epoch:
+        metrics.write(epoch + 1, {"train/epoch_loss": np.mean(epoch_losses)})
+        epoch_losses = []
+      if end_of_epoch and every(epoch + 1, config.save_every_n_epochs):
+        save_lora(f"epoch{epoch + 1}")
+        last_saved_step = step
+      if every(step, config.save_every_n_steps):
+        save_lora(f"step{step}")
+        last_saved_step = step
+      if evals and (every(step, config.eval_every_n_steps) or (
+          end_of_epoch and every(epoch + 1, config.eval_every_n_epochs))):
+        run_evals(step)
+      due = every(step, config.checkpoint_every_n_steps) or (
+          time.time() - last_checkpoint_time > 60 * config.checkpoint_every_n_minutes)
+      if jax.process_count() > 1:  # every process must take part in a save: process 0's clock decides
+        due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+      stopping = stop.requested()
+      if due or stopping or step == total_steps:
+        save_checkpoint(step)
+        last_checkpoint_time = time.time()
+      if stopping:
+        raise UserError(f"stopped by {stop.received or 'a signal to another process'} at step "
+                        f"{step}: checkpoint {os.path.join(run_dir, checkpoint.STEP_PREFIX)}{step} "
+                        "written; continue with --resume_from_checkpoint")
+  finally:
+    stop.restore()
+    bar.close()
+    metrics.close()
   if last_saved_step != step:  # always end with an exported LoRA
     save_lora(f"step{step}" if step % steps_per_epoch else f"epoch{step // steps_per_epoch}")
   print(f"done: {step} steps in {run_dir}")

@@ -7,9 +7,11 @@ import functools
 import glob
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -371,3 +373,41 @@ def test_two_processes_train_as_one_process_with_two_devices(tmp_path, name):
   np.testing.assert_allclose([m["loss"] for m in read_metrics(run_two)],
                              [m["loss"] for m in read_metrics(run_one)], rtol=1e-5)
   assert os.path.isdir(os.path.join(run_two, "global_step4")) and os.path.isdir(os.path.join(run_two, "epoch2"))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes_exactly(tmp_path, name):
+  """SIGTERM (a scheduler's preemption), then SIGINT (Ctrl-C): each run finishes its step, writes
+  a checkpoint at it, says where and exits non-zero without a traceback; resuming twice gives
+  the losses of a run never stopped (which is `test_resume_gives_the_same_run`'s 12 steps)."""
+  args = ["--config.epochs=4", "--config.checkpoint_every_n_steps=0"]
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  command = [sys.executable, os.path.join(ROOT, "main.py"), "--config", config_file(name) + ":tiny",
+             f"--config.output_dir={tmp_path}/out", *args]
+  stopped_at = []
+  for signum, resume in ((signal.SIGTERM, []), (signal.SIGINT, ["--resume_from_checkpoint"])):
+    proc = subprocess.Popen(command + resume, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics = lambda: glob.glob(str(tmp_path / "out" / "*" / "metrics.jsonl"))
+    lines = lambda: len(read_metrics(os.path.dirname(metrics()[0]))) if metrics() else 0
+    start = time.time()
+    while lines() < sum(stopped_at) + 2 and proc.poll() is None and time.time() - start < 300:
+      time.sleep(0.05)
+    proc.send_signal(signum)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0 and "Traceback" not in out, out
+    (run,) = glob.glob(str(tmp_path / "out" / "*"))
+    step = len(read_metrics(run))
+    assert f"stopped by {signal.Signals(signum).name} at step {step}" in out, out
+    assert os.path.isdir(os.path.join(run, f"global_step{step}")), out
+    stopped_at.append(step)
+  assert stopped_at[0] < stopped_at[1] < 12, stopped_at
+  done = run_main(tmp_path, name, "--resume_from_checkpoint", *args)
+  assert done.returncode == 0, done.stdout
+  steps = [m["step"] for m in read_metrics(run)]
+  assert steps == list(range(1, 13)), steps  # each resume continued where the checkpoint was
+  full = run_main(tmp_path, name, *args, output="ref")
+  assert full.returncode == 0, full.stdout
+  (reference,) = glob.glob(str(tmp_path / "ref" / "*"))
+  np.testing.assert_allclose([m["loss"] for m in read_metrics(run)],
+                             [m["loss"] for m in read_metrics(reference)], rtol=1e-5)
