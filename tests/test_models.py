@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import FAMILIES
 from diffpipe_jax import convert, family as family_lib, models
 from diffpipe_jax.convert import CheckpointError, table
 from diffpipe_jax.convert.tensorfile import TensorFiles, write_safetensors
@@ -86,12 +87,16 @@ def test_wrong_model_single_file(tiny_model, tmp_path):
     models.load(fam.type, path)
 
 
+def copied_folder(layouts, root):
+  """A copy of the diffusers layout at `root` to break, and its transformer's weights file."""
+  shutil.copytree(layouts["diffusers"], root)
+  return root, root / "transformer" / "diffusion_pytorch_model.safetensors"
+
+
 def test_truncated_file(tiny_model, tmp_path):
   """A cut download, in a diffusers folder or as a single file: one error that says so."""
   fam, layouts = tiny_model["family"], tiny_model["layouts"]
-  folder = tmp_path / "folder"
-  shutil.copytree(layouts["diffusers"], folder)
-  weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+  folder, weights = copied_folder(layouts, tmp_path / "folder")
   cases = {str(folder): (weights, weights.read_bytes())}
   if "single_file" in layouts:
     cases[str(tmp_path / "cut.safetensors")] = (tmp_path / "cut.safetensors",
@@ -107,9 +112,7 @@ def test_truncated_file(tiny_model, tmp_path):
 
 def test_missing_unexpected_and_misshaped_keys(tiny_model, tmp_path):
   fam, layouts = tiny_model["family"], tiny_model["layouts"]
-  root = tmp_path / "p"
-  shutil.copytree(layouts["diffusers"], root)
-  weights = root / "transformer" / "diffusion_pytorch_model.safetensors"
+  root, weights = copied_folder(layouts, tmp_path / "p")
   files = TensorFiles([str(weights)])
   tensors = {k: np.array(files[k]) for k in files.keys()}
   stacked = sorted(k for k in tensors if k.startswith(fam.stacked[-1] + ".1."))[0]
@@ -130,8 +133,7 @@ def test_missing_unexpected_and_misshaped_keys(tiny_model, tmp_path):
 
 def test_diffusers_config_that_does_not_match_weights(tiny_model, tmp_path):
   fam, layouts = tiny_model["family"], tiny_model["layouts"]
-  root = tmp_path / "p"
-  shutil.copytree(layouts["diffusers"], root)
+  root, _ = copied_folder(layouts, tmp_path / "p")
   cfg_path = root / "transformer" / "config.json"
   cfg = json.loads(cfg_path.read_text())
   # one more block in the first stack: its config key is the one that holds its depth
@@ -144,7 +146,7 @@ def test_diffusers_config_that_does_not_match_weights(tiny_model, tmp_path):
 
 
 def test_missing_path_and_empty_folder(tmp_path):
-  for name in FAMILIES_UNDER_TEST:
+  for name in FAMILIES:
     with pytest.raises(CheckpointError, match="not found"):
       models.load(name, str(tmp_path / "nope.safetensors"))
     with pytest.raises(CheckpointError, match="transformer/config.json"):
@@ -153,9 +155,6 @@ def test_missing_path_and_empty_folder(tmp_path):
     models.load("fluxx", str(tmp_path))
   with pytest.raises(ValueError, match="'ltx-video' \\(planned, not built yet\\)"):
     family_lib.get("ltx-video")
-
-
-FAMILIES_UNDER_TEST = family_lib.names()
 
 
 # ---- the family record --------------------------------------------------------------------------
@@ -178,7 +177,7 @@ def tiny_model_config(tiny_model):
 def test_generic_modules_name_no_family():
   """What differs per family is on its record: the generic modules never name one, nor a
   family's own field (Flux's pooled embedding, image ids, guidance, shift)."""
-  names = [n for fam in FAMILIES_UNDER_TEST for n in (fam, fam.replace("-", "_"))] + [
+  names = [n for fam in FAMILIES for n in (fam, fam.replace("-", "_"))] + [
       "ltx", "hunyuan", "pooled", "img_ids", "guidance", "flux_shift"]
   pattern = re.compile("|".join(map(re.escape, names)), re.IGNORECASE)
   found = [f"{path}:{n + 1}: {line.strip()}" for path in GENERIC
