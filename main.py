@@ -5,6 +5,7 @@
   python main.py --config configs/<family>.py:tiny --resume_from_checkpoint=20261130_18-00-00
   python main.py --config configs/<family>.py:tiny --cache_only [--regenerate_cache]
 """
+import re
 import sys
 
 import jax
@@ -44,6 +45,22 @@ def main(argv):
     sys.exit(f"error: {e}")
 
 
+def parse_flags(argv):
+  """absl's parsing, but an override of a config key that does not exist (ml_collections raises
+  a KeyError deep inside) is one line naming the flag, with its "did you mean"."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (KeyError, AttributeError) as e:
+    missing = re.search(r"'(\w+)", str(e))
+    if missing is None:
+      raise
+    missing, hint = missing.group(1), re.search(r'Did you mean "(\w+)"', str(e))
+    flag = next((a.split("=")[0] for a in argv if a.startswith("--config.")
+                 and missing in a.split("=")[0].split(".")), "a --config override")
+    sys.exit(f"error: {flag}: the config has no key {missing!r}"
+             + (f'; did you mean "{hint.group(1)}"?' if hint else ""))
+
+
 def bare_resume_means_latest(argv):
   """`--resume_from_checkpoint` given without a value (as in diffusion-pipe) means the newest run."""
   flag = "--resume_from_checkpoint"
@@ -51,4 +68,4 @@ def bare_resume_means_latest(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, argv=bare_resume_means_latest(sys.argv))
+  app.run(main, argv=bare_resume_means_latest(sys.argv), flags_parser=parse_flags)

@@ -1,4 +1,4 @@
-"""Where a traced step's GPU time goes: one table from the trace `flux_step.py --profile` writes.
+"""Where a traced step's GPU time goes: one table from the trace `train_step.py --profile` writes.
 
   python benchmarks/trace_summary.py PROFILE_DIR [--top 25]
 

@@ -5,13 +5,15 @@ Speed and memory of the settings below, per family and GPU: BENCHMARKS.md.
 """
 import ml_collections
 
+from diffpipe_jax import tiny as tiny_defaults
+
 
 def base(model_type: str) -> ml_collections.ConfigDict:
   """Every key but the family's own `model` keys, which `model(model_type)` starts."""
   c = ml_collections.ConfigDict()
   c.output_dir = f"runs/{model_type.replace('-', '_')}"
   c.seed = 0
-  c.generate_tiny = False  # write a tiny random pipeline and image set to the paths if absent
+  c.generate_tiny = False  # write the tiny pipeline and images to their default paths if absent
   c.epochs = 100
   c.max_steps = 0  # stop after this many steps (0: run all epochs)
   c.micro_batch_size_per_gpu = 1
@@ -66,6 +68,8 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.dataset.min_ar = 0.5
   c.dataset.max_ar = 2.0
   c.dataset.num_ar_buckets = 7
+  c.dataset.frame_buckets = (1,)  # clip lengths in frames (1: images; a video takes the longest <= its own)
+  c.dataset.video_clip_mode = "single_beginning"  # or single_middle, multiple_overlapping
   c.dataset.num_repeats = 1
   c.dataset.caption_prefix = ""
   c.caching_batch_size = 1
@@ -91,23 +95,23 @@ def model(model_type: str) -> ml_collections.ConfigDict:
   return m
 
 
-def tiny(c: ml_collections.ConfigDict, pipeline_dir: str) -> ml_collections.ConfigDict:
-  """The `:tiny` variant's shared settings: a random tiny pipeline written to `pipeline_dir`
-  and a small synthetic captioned image set on first use, float32, a few steps (CPU, no
+def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The `:tiny` variant's shared settings: a random tiny pipeline and a small synthetic
+  captioned image set written under runs/tiny/ on first use, float32, a few steps (CPU, no
   downloads)."""
   c.output_dir += "_tiny"
   c.epochs = 4
   c.micro_batch_size_per_gpu = 2
-  c.gradient_accumulation_steps = 2  # 12 images in 3 aspect buckets: 3 steps an epoch
+  c.gradient_accumulation_steps = 2  # 12 items in 3 buckets: 3 steps an epoch
   c.checkpoint_every_n_steps = 4
   c.save_dtype = "float32"
   c.generate_tiny = True
-  c.model.diffusers_path = pipeline_dir
+  c.model.diffusers_path = tiny_defaults.pipeline_dir(c.model.type)
   c.model.dtype = "float32"
   c.adapter.rank = 4
   c.optimizer.lr = 1e-3
-  c.dataset.path = "runs/tiny/images"
+  c.dataset.path = tiny_defaults.IMAGES
   c.dataset.resolutions = (32,)
   c.caching_batch_size = 4
-  c.eval_datasets.tiny_eval = dict(path="runs/tiny/eval_images")
+  c.eval_datasets.tiny_eval = dict(path=tiny_defaults.EVAL_IMAGES)
   return c

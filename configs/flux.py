@@ -19,7 +19,7 @@ def get_config(arg=""):
   c.model.flux_shift = False  # FluxPipeline's resolution-dependent shift instead of model.shift
   c.model.guidance = 1.0  # the guidance embedding's input in training (FLUX.1-dev)
   if arg == "tiny":
-    common.tiny(c, "runs/tiny/flux_pipeline")
+    common.tiny(c)
   elif arg:
     raise ValueError(f"unknown configs/flux.py variant {arg!r}; known: '', 'tiny'")
   return c

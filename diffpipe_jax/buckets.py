@@ -81,11 +81,17 @@ def assign(width: int, height: int, num_frames: int, sizes: dict, frames: Sequen
   return [Bucket(*nearest_size(width, height, s), f) for s in sizes.values()]
 
 
+def upscale(width: int, height: int, bucket_width: int, bucket_height: int) -> float:
+  """The factor resize_and_crop scales a width x height source by: just enough to cover the
+  bucket (above 1: upscaled)."""
+  return max(bucket_width / width, bucket_height / height)
+
+
 def resize_and_crop(frames: np.ndarray, width: int, height: int) -> np.ndarray:
   """uint8 [F, H, W, 3] -> [F, height, width, 3]: scaled (aspect kept) until the bucket is covered,
   then centre-cropped, as one resample of the source's centre region (no padding, no stretch)."""
   _, h, w, _ = frames.shape
-  scale = max(width / w, height / h)
+  scale = upscale(w, h, width, height)
   src_w, src_h = width / scale, height / scale
   left, top = (w - src_w) / 2, (h - src_h) / 2
   box = (left, top, left + src_w, top + src_h)

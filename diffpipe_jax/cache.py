@@ -17,12 +17,16 @@ encoded batch becomes its own shard whose sidecar is renamed into place last: th
 shard's commit, so an interrupted run keeps every finished batch and a rerun skips them, at a cost
 per batch that does not grow with the dataset. Once all items are encoded each bucket is compacted
 into a single shard in key order, then `manifest.json` (the only thing readers open) is renamed
-into place and files it does not name are deleted; nothing half-written is ever read.
+into place and files it does not name are deleted; nothing half-written is ever read. A build
+holds `<cache dir>.lock` (beside the cache, which keeps only what the manifest names), so a second
+run caching the same dataset waits, then finds every item committed, instead of deleting the
+first one's temporaries.
 
 Position ids are left to the caller: they are the same for every item of a bucket, so they are
 not stored; `Cache.grid(bucket)` gives the latent grid (a family's `position_ids(grid)`).
 """
 import hashlib
+import logging
 import json
 import os
 import shutil
@@ -31,6 +35,7 @@ import uuid
 import numpy as np
 from tqdm import tqdm
 
+from diffpipe_jax import locks
 from diffpipe_jax.files import atomic_write
 
 MANIFEST = "manifest.json"
@@ -137,6 +142,12 @@ def build_cache(cache_dir, items, encoders, batch_size, regenerate=False) -> "Ca
   `items`: dicts with `key` (the caller's fingerprint of the file and its settings), `caption`,
   `bucket` (hashable, e.g. (width, height, frames)) and `load_pixels()` -> float32 [F, H, W, 3]
   in [-1, 1] at the bucket's size. Items with equal fingerprints are encoded and stored once."""
+  with locks.waiting(os.path.normpath(cache_dir) + ".lock", what=f"the dataset cache {cache_dir}"):
+    return update_cache(cache_dir, items, encoders, batch_size, regenerate)
+
+
+def update_cache(cache_dir, items, encoders, batch_size, regenerate) -> "Cache":
+  """`build_cache`'s work, while it holds the cache's lock."""
   if regenerate and os.path.isdir(cache_dir):
     shutil.rmtree(cache_dir)
   os.makedirs(cache_dir, exist_ok=True)
@@ -163,6 +174,8 @@ def build_cache(cache_dir, items, encoders, batch_size, regenerate=False) -> "Ca
         sid = write_shard(os.path.join(cache_dir, name), arrays, meta)
         rows.update({fp: (sid, row, meta) for row, (fp, _) in enumerate(chunk)})
         bar.update(len(chunk))
+  for note in encoders.truncation_notes():  # once per cache, not once per batch
+    logging.warning("%s: %s", cache_dir, note)
   empty_fp = fingerprint(identity, dict(key="", caption="", bucket=()))
   if empty_fp not in rows:
     sid = write_shard(os.path.join(cache_dir, EMPTY), encoders.encode_text([""]),

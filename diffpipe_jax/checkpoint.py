@@ -5,6 +5,8 @@ exported LoRAs. orbax (on a local disk) writes a step into `global_stepN.orbax-c
 adds `_CHECKPOINT_METADATA` (with a commit timestamp) and `commit_success.txt`, then renames it;
 orbax itself only rejects the tmp name. We also require `commit_success.txt`, so a step dir that
 lost it (a kill during a non-atomic copy or on a filesystem without atomic rename) is skipped too.
+A training process holds the run's `.lock`, so a second one (a resume of a run still training)
+is refused instead of writing the same checkpoints.
 """
 import dataclasses
 import datetime
@@ -14,9 +16,11 @@ import re
 import shutil
 import time
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from diffpipe_jax import locks
 from diffpipe_jax.errors import UserError
 
 STEP_PREFIX = "global_step"
@@ -24,6 +28,7 @@ COMMIT_FILE = "commit_success.txt"  # orbax writes it into the tmp dir before th
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 STEP_RE = re.compile(rf"^{STEP_PREFIX}(0|[1-9]\d*)$")
 RUN_NAME_FORMAT = "%Y%m%d_%H-%M-%S"  # sorts chronologically, as diffusion-pipe's run dirs
+LOCK_FILE = ".lock"  # not a step name, so orbax and the step listings ignore it
 
 
 def new_run_dir(output_dir: str) -> str:
@@ -37,6 +42,11 @@ def new_run_dir(output_dir: str) -> str:
       return path
     except FileExistsError:
       time.sleep(1.0 - time.time() % 1.0 + 0.01)
+
+
+def lock_run_dir(run_dir: str) -> locks.Lock:
+  """The run's lock, held while training into it; `UserError` if another process trains it."""
+  return locks.hold(os.path.join(run_dir, LOCK_FILE), what=f"the run directory {run_dir}")
 
 
 def is_complete(step_dir) -> bool:
@@ -110,6 +120,12 @@ class StepNameFormat(ocp.step.NameFormat):
     return ocp.step.Metadata(step=step, path=path)
 
 
+def shapes(tree) -> dict:
+  """{"lora/.../lora_A": (shape, dtype name)} of a pytree of arrays or their abstract values."""
+  return {jax.tree_util.keystr(path, simple=True, separator="/"): (tuple(leaf.shape), str(leaf.dtype))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 class Checkpointer:
   """Synchronous, atomic saves of (array pytree, JSON meta) into `run_dir/global_stepN/`,
   keeping the newest `keep`."""
@@ -119,7 +135,8 @@ class Checkpointer:
     for path in incomplete_checkpoints(run_dir):
       logging.warning("ignoring half-written checkpoint %s (killed while saving?)", path)
     self.manager = ocp.CheckpointManager(
-        os.path.abspath(run_dir), item_names=("state", "meta"),
+        os.path.abspath(run_dir),  # handlers named up front, so metadata reads before any save
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, step_name_format=StepNameFormat(),
             enable_async_checkpointing=False, create=True))
@@ -130,12 +147,22 @@ class Checkpointer:
     if os.path.isdir(stale) and not is_complete(stale):  # the final rename needs the name free
       logging.warning("removing half-written checkpoint %s before saving step %d", stale, step)
       shutil.rmtree(stale)
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
-    self.manager.wait_until_finished()
+    try:
+      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      meta=ocp.args.JsonSave(meta)), force=True)
+      self.manager.wait_until_finished()
+    except BaseException:  # a full disk, a signal: free what the failed save wrote
+      for path in incomplete_checkpoints(self.run_dir):
+        shutil.rmtree(path, ignore_errors=True)
+      raise
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
+
+  def saved_shapes(self, step: int | None = None) -> dict:
+    """`shapes` of the state saved at `step` (default the newest), read from its metadata."""
+    step = self.latest_step() if step is None else step
+    return shapes(self.manager.item_metadata(step).state)
 
   def restore(self, step: int | None = None, abstract_state=None):
     """(state, meta) of `step` (default the newest); `abstract_state`, a pytree of

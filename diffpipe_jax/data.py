@@ -9,13 +9,19 @@ prefetching threads; each process loads only its rows of a global batch (multi-h
 import dataclasses
 import logging
 import os
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import grain
 import numpy as np
 
 from diffpipe_jax import buckets, cache, media
 from diffpipe_jax.errors import UserError
+
+
+# Up to 2x (a 512 pixel photo in a 1024 bucket) is common and Lanczos keeps it sharp enough;
+# beyond it each source pixel spreads over more than 2x2 bucket pixels and the blur shows.
+MAX_UPSCALE = 2.0
+_MAX_NAMES = 5  # files named in the upscale warning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,29 +45,72 @@ def dataset_settings(dataset_config) -> media.DatasetSettings:
   return settings
 
 
-def cache_items(directory: media.DirectorySettings, items: Sequence[media.Item], multiple: int,
-                fps=None):
-  """One cache entry per (item, bucket): its key covers file content, caption and bucket."""
-  sizes, frames = media.directory_buckets(directory, multiple)
+def upscale_warning(path: str, assigned: Sequence[tuple]) -> Optional[str]:
+  """One warning for the files of a directory that are upscaled more than MAX_UPSCALE to cover
+  their largest bucket (a 1x1 or 64x64 image in a 512 bucket trains the model on a blur), None
+  when there are none. `assigned`: [(Item, [Bucket, ...])]."""
+  blurry = []
+  for item, bs in assigned:
+    scale, worst = max(((buckets.upscale(item.width, item.height, b.width, b.height), b)
+                        for b in bs), default=(0, None))
+    if scale > MAX_UPSCALE:
+      blurry.append(f"{os.path.basename(item.path)} {item.width}x{item.height} -> "
+                    f"{worst.width}x{worst.height}")
+  if not blurry:
+    return None
+  more = f" and {len(blurry) - _MAX_NAMES} more" if len(blurry) > _MAX_NAMES else ""
+  return (f"dataset {path}: {len(blurry)} of {len(assigned)} files are upscaled more than "
+          f"{MAX_UPSCALE:g}x to fit their bucket ({', '.join(blurry[:_MAX_NAMES])}{more}); "
+          "they will look blurry")
+
+
+def check_frame_buckets(directory: media.DirectorySettings, frames: Sequence[int], encoders):
+  """Every frame bucket is one the encoders take: 1 (images), or 1 + k * `frames_per_latent`."""
+  step = encoders.frames_per_latent
+  bad = [f for f in frames if f > 1 and (step is None or (f - 1) % step)]
+  if bad:
+    allowed = ("1 only: this model takes images, not videos" if step is None else
+               f"1 or 1 + a multiple of {step} (1, {1 + step}, {1 + 2 * step}, ...)")
+    raise UserError(f"frame_buckets={list(frames)} for {directory.path}: {bad} cannot be encoded; "
+                    f"frame counts must be {allowed}")
+
+
+def cache_items(directory: media.DirectorySettings, items: Sequence[media.Item], encoders,
+                video_clip_mode="single_beginning"):
+  """One cache entry per (item, bucket, clip): its key covers file content, caption, bucket and,
+  for a video, where the clip starts at the encoders' frame rate."""
+  sizes, frames = media.directory_buckets(directory, encoders.pixel_multiple)
+  check_frame_buckets(directory, frames, encoders)
+  fps = encoders.frame_rate
+  assigned = [(item, buckets.assign(item.width, item.height, media.frames_at_fps(item, fps), sizes,
+                                    frames)) for item in items]
+  warning = upscale_warning(directory.path, assigned)
+  if warning:
+    logging.warning(warning)
   entries = []
-  for item in items:
-    for b in buckets.assign(item.width, item.height, media.frames_at_fps(item, fps), sizes, frames):
-      load = lambda item=item, b=b: buckets.resize_and_crop(
-          media.read_frames(item, fps, b.frames), b.width, b.height).astype(np.float32) / 127.5 - 1
-      # The cache orders a bucket by key: file name first keeps the order stable across edits.
-      name = os.path.relpath(item.path, directory.path)
-      entries.append(dict(key=f"{name}|{b.width}x{b.height}x{b.frames}|{item.fingerprint()}",
-                          caption=item.caption, bucket=tuple(b), load_pixels=load))
+  for item, bs in assigned:
+    # The cache orders a bucket by key: file name first keeps the order stable across edits.
+    name = os.path.relpath(item.path, directory.path)
+    for b in bs:
+      starts = ([0] if item.kind == "image" else
+                media.clip_starts(media.frames_at_fps(item, fps), b.frames, video_clip_mode))
+      for start in starts:
+        load = lambda item=item, b=b, start=start: buckets.resize_and_crop(
+            media.read_frames(item, fps, b.frames, start), b.width, b.height
+        ).astype(np.float32) / 127.5 - 1
+        clip = "" if item.kind == "image" else f"@{start}/{fps or 'source'}fps"
+        entries.append(dict(key=f"{name}|{b.width}x{b.height}x{b.frames}{clip}|{item.fingerprint()}",
+                            caption=item.caption, bucket=tuple(b), load_pixels=load))
   return entries
 
 
 def cache_dataset(settings: media.DatasetSettings, model_type: str, encoders, batch_size: int,
-                  regenerate=False, fps=None) -> List[CachedDirectory]:
+                  regenerate=False) -> List[CachedDirectory]:
   """Scans and caches every directory into `<directory>/cache/<model_type>/`, bucket sides
-  multiples of the encoders' `pixel_multiple`."""
+  multiples of the encoders' `pixel_multiple`, videos at their `frame_rate`."""
   out = []
   for directory, items in media.scan_dataset(settings):
-    entries = cache_items(directory, items, encoders.pixel_multiple, fps)
+    entries = cache_items(directory, items, encoders, settings.video_clip_mode)
     cache_dir = os.path.join(directory.path, "cache", model_type)
     out.append(CachedDirectory(cache.build_cache(cache_dir, entries, encoders, batch_size, regenerate),
                                directory.num_repeats))
@@ -75,7 +124,7 @@ def open_cached_dataset(settings: media.DatasetSettings, model_type: str) -> Lis
             for d in map(settings.resolve, settings.directories)]
   except FileNotFoundError as e:
     raise UserError(f"no finished cache where process 0 should have written it ({e}): "
-                            "all hosts must see the dataset folders on a shared filesystem") from e
+                    "all hosts must see the dataset folders on a shared filesystem") from e
 
 
 Row = Tuple[int, int]  # (directory index, row in that directory's bucket)

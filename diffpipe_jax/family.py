@@ -26,11 +26,13 @@ PLANNED = ("ltx-video", "hunyuan-video")  # diffusion-pipe types that have no mo
 class SingleFile:
   """An original single-file layout (BFL's Flux, Lightricks' LTX, ...): its conversion `rows`
   onto the Flax (diffusers) names (`convert.table`), a key that identifies the model, the key
-  prefixes of repackaged files, and `config(shapes, axes_dims_rope)`: the model config from the
-  tensor shapes."""
+  prefixes of repackaged files, the key prefixes of other models the file may also hold (a
+  VAE: never loaded), and `config(shapes, metadata, axes_dims_rope)`: the model config from the
+  tensor shapes and the file's metadata."""
   rows: tuple
   signature: str
   prefixes: tuple
+  foreign: tuple
   config: Callable
 
 
@@ -43,6 +45,7 @@ class Family:
   config_from_diffusers: Callable  # config.json dict -> cfg
   single_file: Optional[SingleFile]  # the original single-file layout, if the family has one
   checkpoint_path: Callable  # model_config -> the transformer's path (a folder or a file)
+  config_rules: dict  # the family's own `model` keys -> their `rules.Rule` (validate.py)
   make_module: Callable  # (cfg, dtype=, param_dtype=, attention_impl=, remat=, unrolled=) -> module
   stacks: Callable  # cfg -> ((stack name, layers, relative cost of a layer), ...), in order
   stacked: tuple  # the stacks' names (parameter subtrees with a leading layer axis)
@@ -56,6 +59,10 @@ class Family:
   position_ids: Callable  # a cached bucket's latent grid -> the position ids of its batches
   shift_timesteps: Callable  # (model_config, t, latents) -> the training timesteps
   training_inputs: Callable  # (model_config, cfg, batch, noisy latents, t) -> forward inputs
+  # (model_config, key, batch, noisy latents, t [B]) -> (noisy latents, t [B] or per token
+  # [B, L], loss mask [B, L] or None): a family that trains on partly clean latents (LTX-Video's
+  # first-frame conditioning); None: none
+  condition: Optional[Callable]
   torch_side: str  # the module of its `TorchSide`
 
 
@@ -64,11 +71,13 @@ class TorchSide:
   """A family's PyTorch side, for caching and for tests: `load_encoders(model_config, device=,
   dtype=)` -> `encoders.Encoders`; `write_tiny_pipeline(root, seed=0)` writes a complete tiny
   pipeline folder; `build_tiny(seed=0, **config)` a random tiny transformer (float32, eval);
-  `save_tiny(model, root)` -> {layout name: path}, the model in every layout the loader takes."""
+  `save_tiny(model, root)` -> {layout name: path}, the model in every layout the loader takes;
+  `pipeline`: the diffusers pipeline class whose `load_lora_weights` takes our exported LoRAs."""
   load_encoders: Callable
   write_tiny_pipeline: Callable
   build_tiny: Callable
   save_tiny: Callable
+  pipeline: str
 
 
 def names() -> tuple:

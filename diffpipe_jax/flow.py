@@ -7,7 +7,7 @@ family may shift by resolution instead: `Family.shift_timesteps`).
 import jax
 import jax.numpy as jnp
 
-from diffpipe_jax.errors import UserError
+TIMESTEP_METHODS = ("logit_normal", "uniform")
 
 
 def shift_timesteps(t, shift=1.0):
@@ -23,11 +23,10 @@ def exponential_shift(t, mu):
 
 def quantile_timesteps(q, method="logit_normal", sigmoid_scale=1.0):
   """The inverse CDF of the (unshifted) timestep distribution: fixed t for evaluation."""
+  assert method in TIMESTEP_METHODS, method
   if method == "logit_normal":
     return jax.nn.sigmoid(jax.scipy.special.ndtri(q) * sigmoid_scale)
-  if method == "uniform":
-    return q
-  raise UserError(f"model.timestep_sample_method={method!r}; use 'logit_normal' or 'uniform'")
+  return q
 
 
 def sample_timesteps(key, batch, method="logit_normal", sigmoid_scale=1.0):

@@ -84,8 +84,14 @@ def from_torch(tensors: Mapping[str, np.ndarray], abstract_lora, stacked: Sequen
       flat[path] = jnp.asarray(np.stack(parts) if layers != [None] else parts[0], leaf.dtype)
   problems += [f"unexpected {k}" for k in sorted(set(tensors) - used)]
   if problems:
-    raise CheckpointError("the LoRA file does not match this adapter (rank and targets must be "
-                          "the same):\n  " + "\n  ".join(problems[:20]))
+    file_ranks = sorted({v.shape[0] for k, v in tensors.items() if k.endswith(".lora_A.weight")})
+    rank = next(leaf.shape[-1] for path, leaf in table.flatten(abstract_lora).items()
+                if path[-1] == "lora_A")
+    if file_ranks and file_ranks != [rank]:
+      raise CheckpointError(f"the LoRA file has rank {'/'.join(map(str, file_ranks))}, this adapter "
+                            f"rank {rank}: set adapter.rank={file_ranks[0]} to continue it")
+    raise CheckpointError(f"the LoRA file does not match this adapter's targets ({len(problems)} "
+                          f"differences: {'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''})")
   return table.unflatten(flat)
 
 
@@ -101,10 +107,14 @@ def save(lora, directory: str, family: Family, rank: int, save_dtype):
                 task_type=None, base_model_name_or_path=None)
   tmp = directory.rstrip("/") + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
-  write_safetensors(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
-  with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-    json.dump(config, f, indent=2)
+  try:
+    os.makedirs(tmp)
+    write_safetensors(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+      json.dump(config, f, indent=2)
+  except BaseException:  # a full disk, a signal: nothing half-written stays
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
   shutil.rmtree(directory, ignore_errors=True)
   os.replace(tmp, directory)
   return os.path.join(directory, WEIGHTS_NAME)

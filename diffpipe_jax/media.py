@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp"}
 VIDEO_EXTS = {".mp4", ".webm", ".mov"}
-CLIP_MODES = ("single_beginning", "single_middle")
+CLIP_MODES = ("single_beginning", "single_middle", "multiple_overlapping")
 _HASH_CHUNK = 1 << 20
 _MAX_NAMES = 20  # file names listed in one warning
 
@@ -185,17 +185,41 @@ def frames_at_fps(item: Item, fps: Optional[float] = None) -> int:
   return max(1, math.floor(item.num_frames * fps / item.fps + 1e-6))
 
 
+def _rgb(img: Image.Image) -> np.ndarray:
+  """uint8 [H, W, 3]. PIL opens 16-bit greyscale PNGs as mode I;16 (I on older Pillows), whose
+  convert("RGB") clips 0..65535 at 255, nearly all white: scale them down to 0..255 instead."""
+  if img.mode.startswith("I"):
+    grey = np.rint(np.asarray(img, np.float64) / 257)
+    img = Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8))
+  return np.asarray(img.convert("RGB"))
+
+
 def _read_image(path: str) -> np.ndarray:
   with Image.open(path) as img:
-    return np.asarray(ImageOps.exif_transpose(img).convert("RGB"))[None]
+    return _rgb(ImageOps.exif_transpose(img))[None]
 
 
-def _read_video(item: Item, fps, max_frames, video_clip_mode) -> np.ndarray:
+def clip_starts(total: int, length: int, video_clip_mode: str = "single_beginning") -> list:
+  """Where the clips of `length` frames taken from `total` start: one at the beginning or the
+  middle, or (`multiple_overlapping`) as few as cover every frame, spread evenly from the first
+  frame to the last, overlapping where `length` does not divide `total`."""
+  if video_clip_mode not in CLIP_MODES:
+    raise UserError(f"video_clip_mode={video_clip_mode!r}; use one of {CLIP_MODES}")
+  spare = max(0, total - length)
+  if video_clip_mode == "single_beginning":
+    return [0]
+  if video_clip_mode == "single_middle":
+    return [spare // 2]
+  clips = -(-total // length) if length else 1
+  return [math.floor(i * spare / (clips - 1) + 0.5) for i in range(clips)] if clips > 1 else [0]
+
+
+def _read_video(item: Item, fps, max_frames, start) -> np.ndarray:
   """Target frame k sits at t = k/fps after the first frame and takes the last source frame at or
   before it (with fps None: source frame k). Decoding streams and stops after the clip."""
   total = frames_at_fps(item, fps)
   n = total if max_frames is None else min(max_frames, total)
-  start = 0 if video_clip_mode == "single_beginning" else (total - n) // 2
+  start = min(start, total - n)
   target = (lambda k: k / fps) if fps else float
   out, prev, prev_rgb, t0 = [], None, None, None
   with av.open(item.path) as c:
@@ -219,15 +243,13 @@ def _read_video(item: Item, fps, max_frames, video_clip_mode) -> np.ndarray:
 
 
 def read_frames(item: Item, fps: Optional[float] = None, max_frames: Optional[int] = None,
-                video_clip_mode: str = "single_beginning") -> np.ndarray:
+                start: int = 0) -> np.ndarray:
   """uint8 [F, H, W, 3]. Images: F = 1. Videos: resampled to `fps` (the model's frame rate; None
-  keeps every frame), then cut to `max_frames` from the beginning or the middle of the clip."""
-  if video_clip_mode not in CLIP_MODES:
-    raise UserError(f"video_clip_mode={video_clip_mode!r}; use one of {CLIP_MODES}")
+  keeps every frame), then `max_frames` of them from frame `start` on (see `clip_starts`)."""
   try:
     if item.kind == "image":
       return _read_image(item.path)
-    return _read_video(item, fps, max_frames, video_clip_mode)
+    return _read_video(item, fps, max_frames, start)
   except (OSError, av.FFmpegError) as e:
     raise MediaError(f"cannot decode {item.path}: {e}") from e
 

@@ -9,8 +9,32 @@ import os
 
 import numpy as np
 
+# Where `generate_tiny` writes the embedded default, and only there: a user's path that does not
+# exist is an error, never a place to write random data into.
+ROOT = "runs/tiny"
+IMAGES = f"{ROOT}/images"
+VIDEOS = f"{ROOT}/videos"
+EVAL_IMAGES = f"{ROOT}/eval_images"
+
+
+def pipeline_dir(model_type: str) -> str:
+  return f"{ROOT}/{model_type.replace('-', '_')}_pipeline"
+
+
+def generates(config, path: str) -> bool:
+  """Whether the trainer writes the tiny default to `path` (when it is missing)."""
+  return config.generate_tiny and path in (pipeline_dir(config.model.type), IMAGES, VIDEOS,
+                                           EVAL_IMAGES)
+
 def state_dict_numpy(model):
   return {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+def save_diffusers(model, root, max_shard_size=None):
+  """Writes `root/transformer/` (config.json + safetensors, sharded with an index if asked)."""
+  kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+  model.save_pretrained(os.path.join(root, "transformer"), safe_serialization=True, **kw)
+  return root
 
 
 def clip_tokenizer():
@@ -38,6 +62,16 @@ def t5_tokenizer():
                          pad_token="<pad>", extra_ids=0, model_max_length=512)
 
 
+def t5_encoder(tokenizer, d_model):
+  """A random T5 v1.1 encoder (gated GELU, as FLUX.1's and LTX-Video's T5-XXL) of width
+  `d_model` over `tokenizer`'s ids (`t5_tokenizer`)."""
+  from transformers import T5Config, T5EncoderModel
+  return randomize_(T5EncoderModel(T5Config(
+      vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+      d_model=d_model, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+      feed_forward_proj="gated-gelu")).eval())
+
+
 def randomize_(model, scale=0.2):
   """Adds noise to every parameter (norms included) so that no weight is at its trivial init."""
   import torch
@@ -47,19 +81,82 @@ def randomize_(model, scale=0.2):
   return model
 
 
+COLOURS = ("red", "green", "blue", "yellow")
+
+# The tiny video set: (extension, width, height, frames, fps): both containers, sizes that are
+# and are not multiples of 32, frame counts that are and are not 1 + 8k, several frame rates.
+# At 64 pixels, frame buckets (1, 9, 17) and 25 fps, the clips and images fill three buckets of
+# four (64x64x17, 96x64x9, 96x64x1): 3 steps an epoch at the tiny variants' global batch of 4.
+VIDEO_CLIPS = (("mp4", 64, 64, 17, 24), ("webm", 96, 64, 9, 25), ("mp4", 70, 50, 20, 30),
+               ("webm", 64, 64, 25, 30), ("mp4", 96, 64, 9, 24), ("webm", 70, 50, 12, 25),
+               ("webm", 60, 60, 20, 25), ("mp4", 64, 64, 18, 24))
+VIDEO_SET_IMAGES = ((96, 64), (70, 50), (120, 80), (90, 60))
+
+
+def pattern(i, width, height, t=0.0):
+  """Smooth colour field number i (uint8 [H, W, 3]), tinted by colour i; t (in frames) moves it."""
+  y, x = np.mgrid[0:height, 0:width] / max(width, height)
+  rgb = np.stack([np.sin(6 * (x - 0.04 * t) + i), np.cos(5 * (y + 0.03 * t) - i),
+                  np.sin(4 * (x + y) + 0.1 * t)], -1) * 0.3 + 0.5
+  rgb[..., i % len(COLOURS) % 3] += 0.2
+  return (np.clip(rgb, 0, 1) * 255).astype(np.uint8)
+
+
+def write_captioned_image(folder, stem, pixels, caption):
+  from PIL import Image
+  Image.fromarray(pixels).save(os.path.join(folder, f"{stem}.png"))
+  write_caption(folder, stem, caption)
+
+
+def write_caption(folder, stem, caption):
+  with open(os.path.join(folder, f"{stem}.txt"), "w") as f:
+    f.write(caption)
+
+
+def write_video(path, frames, fps):
+  """Encodes uint8 frames [F, H, W, 3] at `fps` with PyAV: H.264 (MPEG-4 part 2 without x264)
+  for .mp4, VP9 (VP8) for .webm; bit-exact, so the same frames always give the same file (the
+  cache keys files by content). x264 gets a constant quantiser: with its default rate control
+  the same frames encoded differently once a VP9 encode had run in the process."""
+  import av
+  from fractions import Fraction
+  mp4 = str(path).endswith(".mp4")
+  codec = next(c for c in (("libx264", "mpeg4") if mp4 else ("libvpx-vp9", "libvpx"))
+               if c in av.codecs_available)
+  options = {"threads": "1", **({"qp": "20"} if codec == "libx264" else {})}
+  with av.open(str(path), "w", options={"fflags": "+bitexact"}) as container:
+    stream = container.add_stream(codec, rate=fps, options=options)
+    stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+    stream.codec_context.flags |= av.codec.context.Flags.bitexact
+    for k, pixels in enumerate(frames):
+      frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+      frame.pts, frame.time_base = k, Fraction(1, fps)
+      container.mux(stream.encode(frame))
+    container.mux(stream.encode())
+  return path
+
+
 def write_image_dataset(folder, num_images=12, sizes=((40, 40), (56, 32), (32, 56))):
   """Captioned synthetic images (smooth colour fields of a few aspect ratios) with same-stem
   .txt captions: the embedded default's dataset. Returns folder."""
-  from PIL import Image
   os.makedirs(folder, exist_ok=True)
-  colours = ["red", "green", "blue", "yellow"]
   for i in range(num_images):
     w, h = sizes[i % len(sizes)]
-    y, x = np.mgrid[0:h, 0:w] / max(w, h)
-    c = i % len(colours)
-    rgb = np.stack([np.sin(6 * x + i), np.cos(5 * y - i), np.sin(4 * (x + y))], -1) * 0.3 + 0.5
-    rgb[..., c % 3] += 0.2
-    Image.fromarray((np.clip(rgb, 0, 1) * 255).astype(np.uint8)).save(os.path.join(folder, f"{i:03d}.png"))
-    with open(os.path.join(folder, f"{i:03d}.txt"), "w") as f:
-      f.write(f"a {colours[c]} pattern, number {i}")
+    write_captioned_image(folder, f"{i:03d}", pattern(i, w, h),
+                          f"a {COLOURS[i % len(COLOURS)]} pattern, number {i}")
+  return folder
+
+
+def write_video_dataset(folder, clips=VIDEO_CLIPS, image_sizes=VIDEO_SET_IMAGES):
+  """Captioned synthetic clips (moving colour fields, `VIDEO_CLIPS`) and a few images, with
+  same-stem .txt captions: the embedded default's dataset of the video families. Returns folder."""
+  os.makedirs(folder, exist_ok=True)
+  for i, (ext, w, h, frames, fps) in enumerate(clips):
+    write_video(os.path.join(folder, f"clip{i:03d}.{ext}"),
+                np.stack([pattern(i, w, h, t) for t in range(frames)]), fps)
+    write_caption(folder, f"clip{i:03d}", f"a {COLOURS[i % len(COLOURS)]} pattern drifting, "
+                                          f"clip {i}")
+  for i, (w, h) in enumerate(image_sizes):
+    write_captioned_image(folder, f"image{i:03d}", pattern(i, w, h),
+                          f"a still {COLOURS[i % len(COLOURS)]} pattern, number {i}")
   return folder

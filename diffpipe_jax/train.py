@@ -1,9 +1,11 @@
 """LoRA training of any model family: `run(config)` is the whole job (data, model, state, the
 update of `update.py`, evals, saves, the loop), and what `main.py` calls after its flags."""
+import contextlib
 import dataclasses
 import functools
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -14,12 +16,14 @@ from jax.experimental import multihost_utils
 from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
-from diffpipe_jax import checkpoint, data, lora, media, models, optim, sharding, stacks, tiny
+from diffpipe_jax import checkpoint, data, errors, lora, media, models, optim, sharding, tiny, validate
 from diffpipe_jax import family as family_lib
 from diffpipe_jax.errors import UserError
+from diffpipe_jax.files import atomic_write
 from diffpipe_jax.update import EVAL_QUANTILES, init_state, make_eval, make_step
 
 COMPILATION_CACHE_BYTES = 16 * 2**30  # beyond this, the least recently used programs go
+DIVERGENCE_BASELINE_STEPS = 10  # a later loss ten times these steps' median warns
 
 
 def every(step: int, n: int) -> bool:
@@ -28,23 +32,32 @@ def every(step: int, n: int) -> bool:
 
 
 class MetricWriter:
-  """TensorBoard scalars, and each training step's also to `metrics.jsonl` (machine-readable);
-  written by process 0 only."""
+  """Scalars to TensorBoard and, a line per write, to `metrics.jsonl` (machine-readable:
+  {"step": N, "train/loss": ..., ...}, the TensorBoard names); written by process 0 only. A
+  resumed run first drops what was logged past its checkpoint's step, so nothing repeats."""
 
-  def __init__(self, run_dir: str, enabled: bool):
+  def __init__(self, run_dir: str, enabled: bool, resumed_at: int | None = None):
     self.enabled = enabled
-    if enabled:
-      self.board = SummaryWriter(run_dir)
-      self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    if not enabled:
+      return
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if resumed_at is not None and os.path.exists(path):
+      with open(path) as f:
+        kept = [line for line in f if json.loads(line)["step"] <= resumed_at]
+      atomic_write(path, lambda f: f.write("".join(kept).encode()))
+    self.board = SummaryWriter(run_dir, purge_step=None if resumed_at is None else resumed_at + 1)
+    self.jsonl = open(path, "a")
 
-  def write(self, step: int, scalars: dict):
+  def write(self, step: int, scalars: dict, epoch: int | None = None):
+    """Per-epoch scalars (`epoch` given) are plotted over epochs, as diffusion-pipe does."""
     if not self.enabled:
       return
     for name, value in scalars.items():
-      self.board.add_scalar(name, float(value), step)
-    if "train/loss" in scalars:
-      self.jsonl.write(json.dumps(dict(step=step, **{k[6:]: float(v) for k, v in scalars.items()})) + "\n")
-      self.jsonl.flush()
+      self.board.add_scalar(name, float(value), step if epoch is None else epoch)
+    line = dict(step=step, **({} if epoch is None else {"epoch": epoch}),
+                **{k: float(v) for k, v in scalars.items()})
+    self.jsonl.write(json.dumps(line) + "\n")
+    self.jsonl.flush()
 
   def close(self):
     if self.enabled:
@@ -89,18 +102,18 @@ def use_compilation_cache(directory: str):
 
 
 def prepare_paths(config, family) -> str:
-  """The transformer's checkpoint path; `generate_tiny` writes the family's tiny pipeline and the
-  tiny image sets where they are missing."""
+  """The transformer's checkpoint path, after `generate_tiny` wrote the missing pieces of the
+  tiny default (the family's pipeline, the image and video sets) to their default paths only."""
   path = family.checkpoint_path(config.model)
-  if config.generate_tiny:
-    if not os.path.isfile(os.path.join(config.model.diffusers_path, "model_index.json")):
-      print(f"writing the embedded tiny {family.type} pipeline to {config.model.diffusers_path}")
-      family_lib.torch_side(family).write_tiny_pipeline(config.model.diffusers_path)
-    for folder, sizes in [(config.dataset.path, None)] + [
-        (e.path, ((40, 40),)) for e in config.eval_datasets.values()]:
-      if not os.path.isdir(folder):
-        print(f"writing the embedded tiny image set to {folder}")
-        tiny.write_image_dataset(folder, **({"sizes": sizes, "num_images": 4} if sizes else {}))
+  if tiny.generates(config, path) and not os.path.isfile(os.path.join(path, "model_index.json")):
+    print(f"writing the embedded tiny {family.type} pipeline to {path}")
+    family_lib.torch_side(family).write_tiny_pipeline(path)
+  eval_sets = dict(sizes=((40, 40),), num_images=4)
+  for folder, options in [(config.dataset.path, {})] + [(e.path, eval_sets) for e in config.eval_datasets.values()]:
+    if tiny.generates(config, folder) and not os.path.isdir(folder):
+      videos = folder == tiny.VIDEOS
+      print(f"writing the embedded tiny {'video' if videos else 'image'} set to {folder}")
+      (tiny.write_video_dataset if videos else tiny.write_image_dataset)(folder, **options)
   return path
 
 
@@ -135,19 +148,81 @@ def peak_device_memory_gib():
   return stats["peak_bytes_in_use"] / 2**30 if stats and "peak_bytes_in_use" in stats else None
 
 
+def out_of_memory_advice(config) -> str:
+  """What lowers device memory, with the config's current values (figures: BENCHMARKS.md)."""
+  return (f"out of device memory. Settings that lower it: activation_checkpointing (now "
+          f"{config.activation_checkpointing!r}; 'block' or 'block_offload' keep least), "
+          f"blocks_to_swap (now {config.blocks_to_swap}), model.transformer_dtype='float8' (now "
+          f"{config.model.transformer_dtype!r}), micro_batch_size_per_gpu (now "
+          f"{config.micro_batch_size_per_gpu}), the dataset's resolutions, and caching_batch_size "
+          f"(now {config.caching_batch_size}) while caching; BENCHMARKS.md has the memory of each")
+
+
+def config_changes(run_dir: str, config) -> list:
+  """"key: old -> new" for each setting that differs from the run's `config.json`."""
+  with open(os.path.join(run_dir, "config.json")) as f:
+    old = validate.flatten(json.load(f))
+  new = validate.flatten(json.loads(config.to_json_best_effort()))
+  return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+          if old.get(k) != new.get(k)]
+
+
+def check_resumable(run_dir: str, ckpt, config, abstract_state):
+  """Before restoring: the checkpoint must hold the state this config trains (the same adapter
+  and optimizer); otherwise the settings that changed since the run started are named."""
+  saved, wanted = ckpt.saved_shapes(), checkpoint.shapes(abstract_state)
+  if saved == wanted:
+    return
+  differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+  example = f"{differ[0]}: {saved.get(differ[0], 'absent')} saved, {wanted.get(differ[0], 'absent')} now"
+  changes = "; ".join(config_changes(run_dir, config)) or "none found in config.json"
+  raise UserError(f"cannot resume {run_dir}: its checkpoint holds another training state ({len(differ)} "
+                  f"arrays differ, e.g. {example}); settings changed since the run started: {changes}. "
+                  "Resume with the run's settings, or start a new run (adapter.init_from_existing "
+                  "continues from an exported LoRA)")
+
+
+def divergence(loss: float, grad_norm: float, first_losses: list) -> str | None:
+  """Why a finite step looks diverged, or None: a gradient norm of 0 (the LoRA stopped
+  learning), or a loss ten times its first steps' median."""
+  if grad_norm == 0:
+    return "the gradient norm is 0: the LoRA has stopped learning"
+  if len(first_losses) == DIVERGENCE_BASELINE_STEPS and loss > 10 * np.median(first_losses):
+    return f"the loss ({loss:.4g}) is over 10x its first steps' median ({np.median(first_losses):.4g})"
+  return None
+
+
 def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
   """Trains a LoRA as `config` says (configs/common.py); `resume`: a run directory name under
   `output_dir`, or "latest", to continue. Returns the run directory (None with `cache_only`).
-  A user's mistake raises `UserError`."""
+  A user's mistake (and the device running out of memory) raises `UserError`."""
+  try:
+    with contextlib.ExitStack() as on_exit:  # the run directory's lock, until the run returns
+      return train(config, resume, cache_only, regenerate_cache, on_exit)
+  except Exception as e:
+    if errors.out_of_memory(e) and not isinstance(e, UserError):
+      raise UserError(out_of_memory_advice(config)) from e
+    raise
+
+
+def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.ExitStack):
+  """`run`'s body; `on_exit` holds what must be released when it returns or raises."""
   use_compilation_cache(config.compilation_cache_dir)
   is_main_process = jax.process_index() == 0  # the one that writes logs and exports
   family = family_lib.get(config.model.type)
+  validate.check(config, family)  # every value, before anything is written or loaded
 
   # ---------------------------------------------------------------- mesh
   mesh = sharding.make_mesh(config.pipeline_stages)
-  stacks.remat_policy(config.activation_checkpointing, config.unrolled,
-                      pipelined=mesh.shape["stage"] > 1, swapped=config.blocks_to_swap > 0)
   data_parallel = mesh.shape["data"]
+
+  # ---------------------------------------------------------------- a resumed run's directory
+  run_dir = None
+  if resume is not None:  # found and locked first: a run in use is refused before any work
+    run_dir = from_process_0(checkpoint.resolve_resume(config.output_dir, resume or "latest")
+                             if is_main_process else "")
+    if is_main_process:
+      on_exit.enter_context(checkpoint.lock_run_dir(run_dir))
 
   # ---------------------------------------------------------------- data (cached once)
   # Process 0 writes the tiny default and the caches (a shared filesystem); the others wait for
@@ -170,17 +245,6 @@ def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
   steps_per_epoch = dataset.steps_per_epoch
   total_steps = config.epochs * steps_per_epoch
   total_steps = min(total_steps, config.max_steps) if config.max_steps else total_steps
-
-  # ---------------------------------------------------------------- run directory
-  run_dir = "" if not is_main_process else (
-      checkpoint.resolve_resume(config.output_dir, resume or "latest") if resume is not None
-      else checkpoint.new_run_dir(config.output_dir))
-  run_dir = from_process_0(run_dir)  # every process checkpoints into the same run
-  if is_main_process:
-    with open(os.path.join(run_dir, "config.json" if resume is None else "config_resumed.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-  print(f"run directory: {run_dir}; mesh {dict(mesh.shape)} over {len(jax.devices())} devices; "
-        f"global batch {global_batch}; {steps_per_epoch} steps an epoch")
 
   # ---------------------------------------------------------------- model (frozen), on the mesh
   layout = sharding.make_layout(mesh, family.stacks(models.checkpoint_config(family.type, path)),
@@ -205,8 +269,9 @@ def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
   replicated = sharding.tree_shardings(mesh, layer_state)
   to_layers = jax.jit(layout.to_layers, out_shardings=replicated)  # checkpoints
   lora_to_layers = jax.jit(layout.to_layers, out_shardings=replicated["lora"])  # exports
-  ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
   if resume is not None:
+    ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
+    check_resumable(run_dir, ckpt, config, layer_state)
     state, meta = ckpt.restore(abstract_state=jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer_state, replicated))
     state = layout.create(lambda s: s, state)
@@ -218,13 +283,26 @@ def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
   else:
     existing = None
     if config.adapter.init_from_existing:
-      existing = lora.load(config.adapter.init_from_existing, layer_state["lora"], family)
+      try:
+        existing = lora.load(config.adapter.init_from_existing, layer_state["lora"], family)
+      except UserError as e:
+        raise UserError(f"adapter.init_from_existing={config.adapter.init_from_existing!r}: {e}") from None
     state = layout.create(make_state, jax.random.key(config.seed), existing)
+    run_dir = from_process_0(checkpoint.new_run_dir(config.output_dir) if is_main_process else "")
+    if is_main_process:
+      on_exit.enter_context(checkpoint.lock_run_dir(run_dir))
+    ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
+  if is_main_process:
+    with open(os.path.join(run_dir, "config.json" if resume is None else "config_resumed.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  print(f"run directory: {run_dir}; mesh {dict(mesh.shape)} over {len(jax.devices())} devices; "
+        f"global batch {global_batch}; {steps_per_epoch} steps an epoch")
 
   # ---------------------------------------------------------------- step, evals, saves
   step_fn = make_step(model, config, tx, layout)
   eval_fn = make_eval(model, config, layout)
-  metrics = MetricWriter(run_dir, is_main_process)
+  step = int(state["step"])
+  metrics = MetricWriter(run_dir, is_main_process, resumed_at=step if resume is not None else None)
 
   def run_evals(step):
     """Each eval set's loss at the fixed t quantiles, with the same noise every time."""
@@ -232,47 +310,80 @@ def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
       batches = ev.iterate(0, 0, jax.process_index(), jax.process_count())
       losses = np.mean([eval_fn(state["lora"], params, sharding.global_batch(mesh, batch, batch_axis=0),
                                 jax.random.key(i)) for i, batch in enumerate(batches)], axis=0)
-      metrics.write(step, {f"{name}/loss_quantile_{q:.2f}": v for q, v in zip(EVAL_QUANTILES, losses)})
-      metrics.write(step, {f"{name}/loss": losses.mean()})
+      metrics.write(step, {f"{name}/loss": losses.mean(),
+                           **{f"{name}/loss_quantile_{q:.2f}": v for q, v in zip(EVAL_QUANTILES, losses)}})
       print(f"eval {name} at step {step}: loss {losses.mean():.4f}")
+
+  def last_good_checkpoint():
+    latest = ckpt.latest_step()
+    return ("none yet" if latest is None else
+            os.path.join(run_dir, f"{checkpoint.STEP_PREFIX}{latest}") + " is kept")
+
+  @contextlib.contextmanager
+  def space_for(what):
+    """A full disk while writing `what`: one line naming the last good checkpoint."""
+    try:
+      yield
+    except Exception as e:
+      if not errors.full_disk(e):
+        raise
+      raise UserError(f"no space left on the device while writing {what} (nothing half-written is "
+                      f"left; the last good checkpoint: {last_good_checkpoint()}); free space, then "
+                      "--resume_from_checkpoint") from None
 
   def save_lora(name):
     adapter = lora_to_layers(state["lora"])
     if is_main_process:
-      saved = lora.save(adapter, os.path.join(run_dir, name), family, config.adapter.rank,
-                        np.dtype(jnp.dtype(config.save_dtype)))
+      with space_for(f"the LoRA {name} in {run_dir}"):
+        saved = lora.save(adapter, os.path.join(run_dir, name), family, config.adapter.rank,
+                          np.dtype(jnp.dtype(config.save_dtype)))
       print(f"saved LoRA: {saved}")
 
   def save_checkpoint(step):
     epoch, batch_index = divmod(step, steps_per_epoch)  # where the data continues from
-    ckpt.save(step, to_layers(state), dict(step=step, epoch=epoch, batch_index=batch_index,
-                                           steps_per_epoch=steps_per_epoch))
+    with space_for(f"checkpoint {checkpoint.STEP_PREFIX}{step} in {run_dir}"):
+      ckpt.save(step, to_layers(state), dict(step=step, epoch=epoch, batch_index=batch_index,
+                                             steps_per_epoch=steps_per_epoch))
 
   # ---------------------------------------------------------------- loop
   key = jax.random.key(config.seed + 1)
-  step = int(state["step"])
   last_checkpoint_time, last_saved_step = time.time(), None
-  epoch_losses = []
+  epoch_losses, first_losses, warned = [], [], set()
   if evals and config.eval_before_first_step and step == 0:
     run_evals(0)
   bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
-  batch_iter, iter_epoch = None, None
+  batch_iter, iter_epoch, schedule, compiled = None, None, None, set()
   stop = StopRequests()
   try:
     while step < total_steps:
       epoch, index = divmod(step, steps_per_epoch)
       if iter_epoch != epoch:  # a new epoch, or a resumed run: the schedule continues exactly
         batch_iter, iter_epoch = dataset.iterate(epoch, index, jax.process_index(), jax.process_count()), epoch
+        schedule = dataset.epoch(epoch)
       batch = next(batch_iter)
       batches = sharding.global_batch(mesh, jax.tree.map(
           lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch))
+      bucket = schedule[index][0]  # (width, height, frames): a new one compiles the step first
+      if bucket not in compiled:
+        width, height, frames = bucket
+        bar.set_description(f"compiling the step for {width}x{height}"
+                            + (f", {frames} frames" if frames > 1 else ""))
       state, step_metrics = step_fn(state, params, batches, jax.random.fold_in(key, step))
       loss, grad_norm = float(step_metrics["loss"]), float(step_metrics["grad_norm"])
+      if bucket not in compiled:
+        compiled.add(bucket)
+        bar.set_description("training")
       if not (np.isfinite(loss) and np.isfinite(grad_norm)):
         raise UserError(f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step + 1}; "
-                        f"stopping. The last good checkpoint in {run_dir} is kept: lower "
+                        f"stopping. The last good checkpoint: {last_good_checkpoint()}: lower "
                         "optimizer.lr or check the data, then --resume_from_checkpoint")
       step += 1
+      first_losses = first_losses if len(first_losses) == DIVERGENCE_BASELINE_STEPS else first_losses + [loss]
+      problem = divergence(loss, grad_norm, first_losses)
+      if problem and problem.split(":")[0] not in warned:
+        warned.add(problem.split(":")[0])
+        tqdm.write(f"warning: at step {step} {problem}; training may have diverged (optimizer.lr="
+                   f"{config.optimizer.lr:g}?): check the losses and the exported LoRAs")
       lr = float(lr_fn(step - 1))
       epoch_losses.append(loss)
       peak_gib = peak_device_memory_gib()
@@ -284,7 +395,7 @@ def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
 
       end_of_epoch = every(step, steps_per_epoch)
       if end_of_epoch:
-        metrics.write(epoch + 1, {"train/epoch_loss": np.mean(epoch_losses)})
+        metrics.write(step, {"train/epoch_loss": np.mean(epoch_losses)}, epoch=epoch + 1)
         epoch_losses = []
       if end_of_epoch and every(epoch + 1, config.save_every_n_epochs):
         save_lora(f"epoch{epoch + 1}")
@@ -311,6 +422,8 @@ def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
     stop.restore()
     bar.close()
     metrics.close()
+    if step == 0 and resume is None and is_main_process:  # a failed start: nothing to keep
+      shutil.rmtree(run_dir, ignore_errors=True)
   if last_saved_step != step:  # always end with an exported LoRA
     save_lora(f"step{step}" if step % steps_per_epoch else f"epoch{step // steps_per_epoch}")
   print(f"done: {step} steps in {run_dir}")

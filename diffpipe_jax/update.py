@@ -20,11 +20,12 @@ EVAL_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 def model_inputs(batch, key, *, model, config, quantile=None):
-  """(model inputs, flow-matching target, dropout key) for a micro-batch of cached samples.
-  With `quantile`, t is that quantile of the timestep distribution for every sample (evals)."""
+  """(model inputs, flow-matching target, loss mask [B, L] or None, dropout key) for a
+  micro-batch of cached samples. With `quantile`, t is that quantile of the timestep
+  distribution for every sample (evals)."""
   m = config.model
   latents = batch["latents"]
-  k_t, k_noise, k_dropout = jax.random.split(key, 3)
+  k_t, k_noise, k_dropout, k_condition = jax.random.split(key, 4)
   if quantile is None:
     t = flow.sample_timesteps(k_t, latents.shape[0], m.timestep_sample_method, m.sigmoid_scale)
   else:
@@ -32,8 +33,12 @@ def model_inputs(batch, key, *, model, config, quantile=None):
                                                               m.sigmoid_scale))
   t = model.family.shift_timesteps(m, t, latents)
   noise = jax.random.normal(k_noise, latents.shape, latents.dtype)
-  inputs = model.family.training_inputs(m, model.config, batch, flow.noisy_latents(latents, noise, t), t)
-  return inputs, noise - latents, k_dropout
+  noisy, mask = flow.noisy_latents(latents, noise, t), batch.get("mask")
+  if model.family.condition is not None:
+    noisy, t, kept = model.family.condition(m, k_condition, batch, noisy, t)
+    mask = kept if mask is None or kept is None else mask * kept
+  inputs = model.family.training_inputs(m, model.config, batch, noisy, t)
+  return inputs, noise - latents, mask, k_dropout
 
 
 def _predict(adapter, params, inputs, dropout_key, *, model, config, train, run_stacks):
@@ -45,16 +50,17 @@ def _predict(adapter, params, inputs, dropout_key, *, model, config, train, run_
 def loss_fn(adapter, params, batch, key, *, model, config, quantile=None,
             run_stacks=stacks.run_stacks):
   """Flow-matching loss of one micro-batch; differentiated with respect to `adapter` only."""
-  inputs, target, k_dropout = model_inputs(batch, key, model=model, config=config, quantile=quantile)
+  inputs, target, mask, k_dropout = model_inputs(batch, key, model=model, config=config,
+                                                 quantile=quantile)
   pred = _predict(adapter, params, inputs, k_dropout, model=model, config=config,
                   train=quantile is None, run_stacks=run_stacks)
-  return flow.mse(pred, target, batch.get("mask"))
+  return flow.mse(pred, target, mask)
 
 
 def pipelined_loss(adapter, params, batches, keys, *, model, config, pipeline):
   """The mean of `loss_fn` over a [microbatches, micro batch, ...] stack (same samples, same
   noise), computed in one pass through `pipeline` with the microbatches in flight together."""
-  inputs, targets, k_dropout = jax.vmap(functools.partial(
+  inputs, targets, masks, k_dropout = jax.vmap(functools.partial(
       model_inputs, model=model, config=config))(batches, keys)
   merge = lambda x: x.reshape(-1, *x.shape[2:])  # [M, micro, ...] -> [M * micro, ...]
   inputs = {k: None if v is None else v[0] if k in model.family.shared_inputs else merge(v)
@@ -62,7 +68,6 @@ def pipelined_loss(adapter, params, batches, keys, *, model, config, pipeline):
   pred = _predict(adapter, params, inputs, k_dropout[0], model=model, config=config, train=True,
                   run_stacks=pipeline.run)
   pred = pred.reshape(targets.shape[:2] + pred.shape[1:])
-  masks = batches.get("mask")
   return jax.vmap(flow.mse)(pred, targets, *([masks] if masks is not None else [])).mean()
 
 

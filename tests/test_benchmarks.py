@@ -7,7 +7,18 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from benchmarks import train_step
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a PyTorch peer whose run without checkpointing runs out of GPU memory, as at --res 2048
+OOM_PEER = """import json, sys
+import torch
+if sys.argv[sys.argv.index("--ckpt") + 1] == "0":
+  raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+print(json.dumps(dict(step_s_median=2.0, peak_mem_gib=None)))  # no peak off the GPU
+"""
 
 
 def test_flux_forward_benchmark_smoke(tmp_path):
@@ -20,9 +31,32 @@ def test_flux_forward_benchmark_smoke(tmp_path):
   assert err < 2e-2, out
 
 
+# a PyTorch peer that checks it is asked for the same video shape
+VIDEO_PEER = """import json, sys
+args = " ".join(sys.argv[1:])
+assert "--model ltx --res 64 --width 64 --frames 9 --txt 8 --rank 4" in args, args
+print(json.dumps(dict(step_s_median=0.5, peak_mem_gib=None)))
+"""
+
+
+def test_ltx_video_step_benchmark_smoke(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  (tmp_path / "peer.py").write_text(VIDEO_PEER)
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--model",
+                        "ltx-video", "--smoke", "--modes", "per-block remat", "--layouts", "1x1,1x2",
+                        "--peer", str(tmp_path / "peer.py")],
+                       env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+  assert out.startswith("LTX-Video, smoke shape, 9 frames of 64x64 (8 video + 8 text tokens)"), out
+  rows = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.startswith("| ")][1:]
+  assert [(r[1], r[3], r[4]) for r in rows] == [
+      ("no remat", "PyTorch peer", "1x1"), ("per-block remat", "diffpipe-jax", "1x1"),
+      ("per-block remat", "PyTorch peer", "1x1"), ("per-block remat", "diffpipe-jax", "1x2")], out
+  assert all(float(r[5]) > 0 for r in rows), out
+
+
 def test_flux_step_benchmark_smoke(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "flux_step.py"), "--smoke",
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--smoke",
                         "--layouts", "1x1,2x2", "--microbatches", "2", "--profile", str(tmp_path)],
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
   rows = [line for line in out.splitlines() if line.startswith("| ") and "diffpipe-jax" in line]
@@ -31,16 +65,42 @@ def test_flux_step_benchmark_smoke(tmp_path):
   assert len(glob.glob(str(tmp_path / "**" / "*.trace.json.gz"), recursive=True)) == 6
 
 
-def test_flux_step_benchmark_smoke_of_split_and_swapped_steps():
-  """The unrolled mode (its step split into programs per block) and blocks_to_swap per mode."""
+def test_flux_step_benchmark_smoke_of_split_and_swapped_steps(tmp_path):
+  """The unrolled mode (its step split into programs per block), blocks_to_swap per mode, and a
+  peer that runs out of memory: an OOM row, the rest of the table, `-` where nothing applies."""
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "flux_step.py"), "--smoke",
-                        "--modes", "no remat (unrolled),per-block remat (unrolled)", "--blocks_to_swap", "0,2"],
+  (tmp_path / "peer.py").write_text(OOM_PEER)
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--smoke",
+                        "--modes", "no remat (unrolled),per-block remat (unrolled)", "--blocks_to_swap", "0,2",
+                        "--peer", str(tmp_path / "peer.py")],
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
-  rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "diffpipe-jax" in line]
-  assert [(r[1].strip(), r[2].strip()) for r in rows] == [("no remat (unrolled)", "0"),
-                                                          ("per-block remat (unrolled)", "2")], out
-  assert all(float(r[5]) > 0 for r in rows), out  # step times
+  rows = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.startswith("| ")][1:]
+  assert [(r[1], r[2], r[3]) for r in rows] == [
+      ("no remat", "0", "PyTorch peer"), ("no remat (unrolled)", "0", "diffpipe-jax"),
+      ("per-block remat", "0", "PyTorch peer"), ("per-block remat (unrolled)", "2", "diffpipe-jax")], out
+  assert rows[0][5:-1] == ["OOM"] + ["-"] * 9, out
+  assert rows[2][5:-1] == ["2.000", "0.50"] + ["-"] * 6 + ["0.0%", "-"], out  # no peak off the GPU
+  assert all(float(r[5]) > 0 for r in rows[1::2]), out  # step times
+  assert "nan" not in out, out
+
+
+def test_flux_step_table_of_runs_out_of_memory(tmp_path):
+  """A run that dies of XLA's RESOURCE_EXHAUSTED is an OOM row, and the row of a layout whose 1x1
+  run it was has no speed-up; a run that fails otherwise still stops the benchmark."""
+  (tmp_path / "oom.py").write_text('raise SystemExit("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: '
+                                   'Out of memory while trying to allocate 25769803776 bytes.")')
+  (tmp_path / "bug.py").write_text('raise ValueError("a bug")')
+  assert train_step.sub([sys.executable, str(tmp_path / "oom.py")]) == train_step.OOM
+  with pytest.raises(subprocess.CalledProcessError):
+    train_step.sub([sys.executable, str(tmp_path / "bug.py")])
+  run = dict(step_s=1.0, samples_per_s=2.0, peak_gib=30.0, step_peak_gib=None, resident_gib=20.0,
+             bubble=0.125, compile_s=40.0)
+  lines = train_step.table({("per-block remat", 0, "1x1"): train_step.OOM, ("per-block remat", 0, "2x1"): run},
+                          {}, flop=81e12)
+  rows = [[c.strip() for c in line.split("|")][1:-1] for line in lines[2:]]
+  assert rows == [["per-block remat", "0", "diffpipe-jax", "1x1", "OOM"] + ["-"] * 9,
+                  ["per-block remat", "0", "diffpipe-jax", "2x1", "1.000", "2.00", "-", "30.00", "-",
+                   "20.00", "81", "10%", "12.5%", "40"]], lines
 
 
 def test_host_copy_benchmark_smoke():

@@ -10,7 +10,7 @@ from conftest import FAMILIES, load_encoders
 from diffpipe_jax import cache
 from diffpipe_jax.errors import UserError
 
-BUCKETS = [(32, 32, 1), (48, 32, 1)]  # (width, height, frames)
+BUCKETS = [(32, 32, 1), (64, 32, 1)]  # (width, height, frames): sides every family takes
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -74,8 +74,8 @@ def test_only_changed_items_reencoded(counted, tmp_path_factory):
   c = cache.build_cache(str(tmp_path), make_items(5), counted, batch_size=4)
   assert counted.encoded() == 13 + 1 and len(c) == 5
   # only the manifest and one shard per live bucket remain
-  assert sorted(os.listdir(tmp_path)) == ["32x32x1", "48x32x1", "empty", "manifest.json"]
-  assert all(len(os.listdir(tmp_path / b)) == 4 for b in ("32x32x1", "48x32x1"))
+  assert sorted(os.listdir(tmp_path)) == ["32x32x1", "64x32x1", "empty", "manifest.json"]
+  assert all(len(os.listdir(tmp_path / b)) == 4 for b in ("32x32x1", "64x32x1"))
 
 
 def test_interrupted_run_resumes(counted, tmp_path_factory):
@@ -115,3 +115,13 @@ def test_a_complete_cache_never_loads_the_encoders(family_pipeline, encoders, tm
 def test_a_folder_without_encoders_is_a_clear_error(family_pipeline, tmp_path):
   with pytest.raises(UserError, match=f"{tmp_path} lacks the encoder folder"):
     load_encoders(family_pipeline[0], str(tmp_path))
+
+
+def test_encoders_load_inside_the_cache_bar_without_bars_of_their_own(family_pipeline, tmp_path,
+                                                                       capsys):
+  """The first use loads the encoders under the open "caching" bar: the libraries' own loading
+  bars would nest in it, writing cursor-up escape codes into the log."""
+  cache.build_cache(str(tmp_path), make_items(2), load_encoders(*family_pipeline), batch_size=2)
+  said = capsys.readouterr()
+  assert "loading the encoders" in said.out + said.err and "caching" in said.err
+  assert "\x1b[" not in said.out + said.err

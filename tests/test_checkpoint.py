@@ -1,5 +1,6 @@
 """Checkpoints: exact round trips, keep-last-N, restore into a target, half-written saves are
 skipped, and `--resume_from_checkpoint` resolves to the right run or fails clearly."""
+import errno
 import logging
 import os
 import re
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffpipe_jax import checkpoint
+from diffpipe_jax import checkpoint, errors
 from diffpipe_jax.errors import UserError
 
 
@@ -123,3 +124,27 @@ def test_resolve_resume_without_a_complete_checkpoint(tmp_path):
     checkpoint.resolve_resume(out, "latest")
   with pytest.raises(UserError, match="no run under"):
     checkpoint.resolve_resume(str(tmp_path / "missing"), "latest")
+
+
+def test_a_full_disk_keeps_the_last_checkpoint_and_frees_the_failed_one(tmp_path, monkeypatch):
+  run_dir, ckpt = saved_run(tmp_path, [1])
+  real_save = checkpoint.ocp.CheckpointManager.save
+
+  def full_disk(self, step, *args, **kwargs):  # orbax wrote part of the step, then the disk filled
+    os.makedirs(os.path.join(run_dir, f"global_step{step}.orbax-checkpoint-tmp-1"))
+    raise RuntimeError("save failed") from OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", full_disk)
+  with pytest.raises(RuntimeError) as failed:
+    ckpt.save(2, make_state(2), dict(step=2))
+  assert errors.full_disk(failed.value)
+  assert sorted(os.listdir(run_dir)) == ["global_step1"]  # the tmp dir is gone, step 1 intact
+  monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", real_save)
+  assert_trees_equal(checkpoint.Checkpointer(run_dir).restore()[0], make_state(1))
+
+
+def test_saved_shapes_are_read_without_restoring(tmp_path):
+  run_dir, _ = saved_run(tmp_path, [3])
+  ckpt = checkpoint.Checkpointer(run_dir)  # a resumed process's: it has saved nothing yet
+  assert ckpt.saved_shapes() == checkpoint.shapes(make_state(3)) == {
+      "lora/a": ((4, 3), "float32"), "lora/b/kernel": ((3,), "float32"), "count": ((2, 2), "int32"),
+      "step": ((), "int32")}

@@ -1,14 +1,19 @@
 """Datasets end to end: scan -> buckets -> cache -> bucketed, seeded, resumable batches."""
+import logging
 import os
+import re
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 from PIL import Image
 
+import test_media
 from conftest import FAMILIES, load_encoders
 from diffpipe_jax import data, family as family_lib, media, tiny
+from diffpipe_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,8 +28,20 @@ def encoders(family, tiny_pipelines):
   return load_encoders(family.type, tiny_pipelines(family.type))
 
 
+# What cache_items asks of a family's encoders: an image model's, and a video model's that takes
+# clips of 1 + 4k frames at 12 frames per second.
+IMAGE_ENCODERS = types.SimpleNamespace(pixel_multiple=16, frame_rate=None, frames_per_latent=None)
+VIDEO_ENCODERS = types.SimpleNamespace(pixel_multiple=16, frame_rate=12, frames_per_latent=4)
+
+
+def resolution(encoders):
+  """32 pixels, or the smallest side that gives the tiny image set's three aspect buckets (a
+  square and two wider) where the model's pixel multiple is larger (LTX-Video's 32)."""
+  return max(32, 2 * encoders.pixel_multiple)
+
+
 def cached(folder, encoders, **settings):
-  s = media.settings_from_dict(dict(path=str(folder), resolutions=(32,), **settings))
+  s = media.settings_from_dict(dict(path=str(folder), resolutions=(resolution(encoders),), **settings))
   return data.cache_dataset(s, "test", encoders, batch_size=4)
 
 
@@ -49,7 +66,8 @@ def test_batches_are_bucketed_seeded_and_resumable(tmp_path, family, encoders):
 
 def test_empty_buckets_are_a_clear_error(tmp_path, family, encoders):
   dirs = cached(tiny.write_image_dataset(str(tmp_path / "img")), encoders)
-  with pytest.raises(ValueError, match=r"no bucket holds a full global batch of 8.*32x32x1: 4"):
+  side = resolution(encoders)
+  with pytest.raises(ValueError, match=rf"no bucket holds a full global batch of 8.*{side}x{side}x1: 4"):
     data.Batches(dirs, 8, seed=0, position_ids=family.position_ids)
 
 
@@ -78,13 +96,57 @@ def test_cache_only_with_a_diffusion_pipe_toml(tmp_path, name):
                   'num_repeats = 2\n')
   out = subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "--config",
                         os.path.join(ROOT, "configs", name.replace("-", "_") + ".py") + ":tiny", "--cache_only",
-                        f"--config.dataset.toml_path={toml}", f"--config.output_dir={tmp_path}/out"],
+                        f"--config.dataset.toml_path={toml}", "--config.dataset.path=",
+                        f"--config.output_dir={tmp_path}/out"],
                        env=dict(os.environ, PYTHONPATH=ROOT), cwd=tmp_path, text=True,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   assert out.returncode == 0, out.stdout
   assert "cached; exiting" in out.stdout
   assert os.path.isfile(os.path.join(images, "cache", name, "manifest.json"))
   assert not os.path.exists(tmp_path / "out")  # caching alone starts no run
+
+
+def test_tiny_images_are_warned_about_once_per_directory(tmp_path, caplog):
+  folder = tiny.write_image_dataset(str(tmp_path / "img"), num_images=4)
+  Image.new("RGB", (1, 1), "red").save(os.path.join(folder, "dot.png"))
+  Image.new("RGB", (16, 16), "red").save(os.path.join(folder, "small.png"))  # exactly 2x: fine
+  s = media.settings_from_dict(dict(path=folder, resolutions=(32,)))
+  ((directory, items),) = media.scan_dataset(s)
+  with caplog.at_level(logging.WARNING):
+    entries = data.cache_items(directory, items, IMAGE_ENCODERS)
+  assert len(entries) == 6
+  (warning,) = [r.getMessage() for r in caplog.records if "upscaled" in r.getMessage()]
+  assert warning == (f"dataset {folder}: 1 of 6 files are upscaled more than 2x to fit their "
+                     "bucket (dot.png 1x1 -> 32x32); they will look blurry")
+  caplog.clear()
+  data.cache_items(directory, [i for i in items if "dot" not in i.path], IMAGE_ENCODERS)
+  assert "upscaled" not in caplog.text
+
+
+@pytest.mark.parametrize("mode,starts", [("single_beginning", [0]), ("single_middle", [1]),
+                                         ("multiple_overlapping", [0, 3])])
+def test_video_clips_at_the_model_frame_rate(tmp_path, mode, starts):
+  """A 24-frame 24 fps video is 12 frames at the model's 12 fps: one 9-frame clip from its
+  beginning or middle, or two overlapping clips that cover every frame; each its own entry."""
+  test_media.write_grey_ramp_video(tmp_path / "clip.mp4", frames=24, fps=24)
+  s = media.settings_from_dict(dict(path=str(tmp_path), resolutions=(32,), frame_buckets=(1, 5, 9)))
+  ((directory, items),) = media.scan_dataset(s)
+  entries = data.cache_items(directory, items, VIDEO_ENCODERS, mode)
+  assert [e["key"].split("|")[1] for e in entries] == [f"48x32x9@{k}/12fps" for k in starts]
+  for entry, start in zip(entries, starts):
+    frames = (entry["load_pixels"]() + 1) * 127.5
+    assert test_media.source_index(frames) == list(range(2 * start, 2 * start + 18, 2))
+
+
+def test_frame_buckets_the_model_cannot_encode_are_errors(tmp_path):
+  folder = tiny.write_image_dataset(str(tmp_path / "img"), num_images=1)
+  for encoders, frames, allowed in ((VIDEO_ENCODERS, (1, 6, 9), "1 or 1 + a multiple of 4"),
+                                    (IMAGE_ENCODERS, (1, 5), "1 only: this model takes images")):
+    s = media.settings_from_dict(dict(path=folder, resolutions=(32,), frame_buckets=frames))
+    ((directory, items),) = media.scan_dataset(s)
+    with pytest.raises(UserError, match=rf"^frame_buckets=\[1, {frames[1]}.*: \[{frames[1]}\] "
+                                        "cannot be encoded; frame counts must be " + re.escape(allowed)):
+      data.cache_items(directory, items, encoders)
 
 
 def test_settings_we_cannot_honour_are_errors(tmp_path):

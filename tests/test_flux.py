@@ -125,7 +125,7 @@ def test_cache_matches_flux_pipeline(pipeline, encoders, tmp_path):
   from diffusers import AutoencoderKL, FluxPipeline
   items = test_cache.make_items(5)
   c = cache.build_cache(str(tmp_path), items, encoders, batch_size=2)
-  assert sorted(c.buckets()) == [((32, 32, 1), 3), ((48, 32, 1), 2)] and len(c) == 5
+  assert sorted(c.buckets()) == [((32, 32, 1), 3), ((64, 32, 1), 2)] and len(c) == 5
 
   vae = AutoencoderKL.from_pretrained(os.path.join(pipeline, "vae"))
   pipe = FluxPipeline.from_pretrained(pipeline)
@@ -144,7 +144,7 @@ def test_cache_matches_flux_pipeline(pipeline, encoders, tmp_path):
       np.testing.assert_allclose(got["text"], text[0].numpy(), rtol=1e-5, atol=1e-5)
       np.testing.assert_allclose(got["pooled"], pooled[0].numpy(), rtol=1e-5, atol=1e-5)
       assert flux.image_ids(*c.grid(bucket)).shape[0] == got["latents"].shape[0]
-  assert c.get((48, 32, 1), 0)["latents"].shape == (8 * 12, 16)
+  assert c.get((64, 32, 1), 0)["latents"].shape == (8 * 16, 16)
 
   with torch.no_grad():
     text, pooled, _ = pipe.encode_prompt("", prompt_2=None, max_sequence_length=512)
@@ -170,7 +170,7 @@ def test_cached_dataset_latents_equal_a_direct_vae_encode(tmp_path, encoders, pi
   (item,) = media.scan_directory(folder)
   frames = data.cache_items(media.DirectorySettings(path=folder, resolutions=(32,), enable_ar_bucket=True,
                                                     min_ar=0.5, max_ar=2.0, num_ar_buckets=7,
-                                                    frame_buckets=(1,)), [item], 4)[0]["load_pixels"]()
+                                                    frame_buckets=(1,)), [item], encoders)[0]["load_pixels"]()
   with torch.no_grad():
     z = vae.encode(torch.from_numpy(frames[0]).permute(2, 0, 1)[None]).latent_dist.mean
   z = (z - vae.config.shift_factor) * vae.config.scaling_factor

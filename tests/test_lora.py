@@ -1,16 +1,20 @@
 """LoRA adapters of every family: targets as data, and an export that diffusers loads and applies
 exactly as we do."""
 import copy
+import errno
+import inspect
 import json
 import os
+import re
 
+import diffusers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from diffpipe_jax import lora, models
+from diffpipe_jax import family as family_lib, lora, models
 from diffpipe_jax.convert import CheckpointError
 
 INPUTS = dict(batch=2, seed=5)
@@ -69,7 +73,11 @@ def test_export_loads_in_diffusers_and_matches(loaded, tmp_path):
   torch_inputs = {k: None if v is None else torch.from_numpy(v) for k, v in inputs.items()}
   with torch.no_grad():
     before = t(**torch_inputs, return_dict=False)[0].numpy()
-  t.load_lora_adapter(path, prefix=fam.lora_prefix.rstrip("."), adapter_name="ours")
+  # loaded as a user does, by the pipeline (its key conversions included); only the
+  # transformer is needed, the other components may be absent
+  pipeline = getattr(diffusers, family_lib.torch_side(fam).pipeline)
+  components = {n: None for n in inspect.signature(pipeline.__init__).parameters if n != "self"}
+  pipeline(**dict(components, transformer=t)).load_lora_weights(path, adapter_name="ours")
   adapted = {n for n, m in t.named_modules() if hasattr(m, "lora_A") and "ours" in m.lora_A}
   assert {fam.lora_prefix + n for n in adapted} == {k.rsplit(".lora_", 1)[0] for k in keys}
   with torch.no_grad():
@@ -87,5 +95,23 @@ def test_import_rejects_a_mismatched_adapter(loaded, tmp_path):
   a4 = lora.init(model.params, fam.lora_targets, 4, jnp.float32, jax.random.key(0))
   a8 = lora.init(model.params, fam.lora_targets, 8, jnp.float32, jax.random.key(0))
   lora.save(a4, str(tmp_path / "r4"), fam, 4, np.float32)
-  with pytest.raises(CheckpointError, match="rank and targets must be the same"):
+  with pytest.raises(CheckpointError, match=r"has rank 4, this adapter rank 8: set adapter.rank=4"):
     lora.load(str(tmp_path / "r4"), a8, fam)
+  one_module = re.escape(lora.select_targets(model.params, fam.lora_targets)[0])
+  fewer = lora.init(model.params, [one_module], 4, jnp.float32, jax.random.key(0))
+  with pytest.raises(CheckpointError, match=r"does not match this adapter's targets \(\d+ differences: unexpected "):
+    lora.load(str(tmp_path / "r4"), fewer, fam)
+
+
+def test_a_failed_export_leaves_nothing_half_written(loaded, tmp_path, monkeypatch):
+  fam, _, model = loaded
+  adapter = lora.init(model.params, fam.lora_targets, 4, jnp.float32, jax.random.key(0))
+  lora.save(adapter, str(tmp_path / "epoch1"), fam, 4, np.float32)
+
+  def full_disk(tensors, path, metadata=None):
+    open(path, "wb").write(b"half")
+    raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(lora, "write_safetensors", full_disk)
+  with pytest.raises(OSError):
+    lora.save(adapter, str(tmp_path / "epoch2"), fam, 4, np.float32)
+  assert sorted(os.listdir(tmp_path)) == ["epoch1"]  # no epoch2.tmp/

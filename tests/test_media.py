@@ -2,14 +2,14 @@ import logging
 import math
 import os
 import random
-from fractions import Fraction
+import struct
+import zlib
 
-import av
 import numpy as np
 import pytest
 from PIL import Image
 
-from diffpipe_jax import buckets, media
+from diffpipe_jax import buckets, media, tiny
 
 
 def _image(path, w, h, colour=(200, 30, 30), seed=0):
@@ -19,20 +19,13 @@ def _image(path, w, h, colour=(200, 30, 30), seed=0):
   return pixels
 
 
-def _video(path, frames=24, fps=24, w=64, h=48):
+def write_grey_ramp_video(path, frames=24, fps=24, w=64, h=48):
   """Frame k is a flat grey of value 10k, so a decoded frame tells which source frame it was."""
-  codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
-  with av.open(str(path), "w") as c:
-    stream = c.add_stream(codec, rate=fps)
-    stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-    for k in range(frames):
-      frame = av.VideoFrame.from_ndarray(np.full((h, w, 3), 10 * k, np.uint8), format="rgb24")
-      frame.pts, frame.time_base = k, Fraction(1, fps)
-      c.mux(stream.encode(frame))
-    c.mux(stream.encode())
+  tiny.write_video(path, np.stack([np.full((h, w, 3), 10 * k, np.uint8) for k in range(frames)]),
+                   fps)
 
 
-def _source_index(frames):
+def source_index(frames):
   return [int(round(f.mean() / 10)) for f in frames]
 
 
@@ -129,20 +122,48 @@ def test_scan_finds_masks(tmp_path, caplog):
 
 
 def test_video_resampled_and_clipped(tmp_path):
-  _video(tmp_path / "clip.mp4")
+  write_grey_ramp_video(tmp_path / "clip.mp4")
   (item,) = media.scan_directory(str(tmp_path))
   assert (item.kind, item.width, item.height) == ("video", 64, 48)
   assert (item.num_frames, item.fps) == (24, 24)
   assert media.frames_at_fps(item, 12) == 12 and media.frames_at_fps(item) == 24
   every = media.read_frames(item)
-  assert every.shape == (24, 48, 64, 3) and _source_index(every) == list(range(24))
+  assert every.shape == (24, 48, 64, 3) and source_index(every) == list(range(24))
   half = media.read_frames(item, fps=12)
-  assert half.shape[0] == 12 and _source_index(half) == list(range(0, 24, 2))
+  assert half.shape[0] == 12 and source_index(half) == list(range(0, 24, 2))
   begin = media.read_frames(item, fps=12, max_frames=4)
-  middle = media.read_frames(item, fps=12, max_frames=4, video_clip_mode="single_middle")
-  assert _source_index(begin) == [0, 2, 4, 6] and _source_index(middle) == [8, 10, 12, 14]
+  middle = media.read_frames(item, fps=12, max_frames=4,
+                             start=media.clip_starts(media.frames_at_fps(item, 12), 4, "single_middle")[0])
+  assert source_index(begin) == [0, 2, 4, 6] and source_index(middle) == [8, 10, 12, 14]
   assert buckets.assign(item.width, item.height, media.frames_at_fps(item, 12),
                         {64: [(64, 48)]}, [1, 9])[0].frames == 9
+
+
+def test_tiny_video_set_decodes_as_written_and_deterministically(tmp_path):
+  """The embedded video set: both containers, its sizes, frame counts and rates, the moving
+  pattern (lossy, so close), and the same bytes every time (the cache keys files by content)."""
+  folder = tiny.write_video_dataset(str(tmp_path / "a"))
+  items = media.scan_directory(folder)
+  videos = [i for i in items if i.kind == "video"]
+  assert [(os.path.splitext(i.path)[1][1:], i.width, i.height, i.num_frames, i.fps)
+          for i in videos] == list(tiny.VIDEO_CLIPS)
+  assert [(i.width, i.height) for i in items if i.kind == "image"] == list(tiny.VIDEO_SET_IMAGES)
+  assert videos[0].caption == "a red pattern drifting, clip 0"
+  for n, item in enumerate(videos):
+    frames = media.read_frames(item)
+    want = np.stack([tiny.pattern(n, item.width, item.height, t) for t in range(item.num_frames)])
+    assert np.abs(frames.astype(float) - want).mean() < 4, item.path
+  again = tiny.write_video_dataset(str(tmp_path / "b"))
+  assert all(media.content_hash(os.path.join(folder, name)) ==
+             media.content_hash(os.path.join(again, name)) for name in os.listdir(folder))
+
+
+@pytest.mark.parametrize("total,length,mode,starts", [
+    (12, 5, "single_beginning", [0]), (12, 5, "single_middle", [3]),
+    (12, 5, "multiple_overlapping", [0, 4, 7]), (10, 5, "multiple_overlapping", [0, 5]),
+    (4, 5, "multiple_overlapping", [0]), (1, 1, "multiple_overlapping", [0])])
+def test_clip_starts(total, length, mode, starts):
+  assert media.clip_starts(total, length, mode) == starts
 
 
 def test_fingerprint_tracks_content(tmp_path):
@@ -162,6 +183,32 @@ def test_fingerprint_tracks_content(tmp_path):
   assert after[1].fingerprint() == fingerprints[1]
   (tmp_path / "b.txt").write_text("new caption")
   assert media.scan_directory(str(tmp_path))[1].fingerprint() != fingerprints[1]
+
+
+def _png16(path, pixels):
+  """A 16-bit PNG written by hand (PIL writes no 16-bit colour): uint16 [H, W] grey or [H, W, 3]."""
+  h, w = pixels.shape[:2]
+  colour = 2 if pixels.ndim == 3 else 0
+  rows = b"".join(b"\0" + row.astype(">u2").tobytes() for row in pixels)
+  chunk = lambda kind, data: (struct.pack(">I", len(data)) + kind + data +
+                              struct.pack(">I", zlib.crc32(kind + data)))
+  header = struct.pack(">IIBBBBB", w, h, 16, colour, 0, 0, 0)
+  path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows))
+                   + chunk(b"IEND", b""))
+
+
+def test_16_bit_images_keep_their_levels(tmp_path):
+  ramp = np.linspace(0, 65535, 6).astype(np.uint16)  # black, four greys, white
+  Image.fromarray(np.tile(ramp, (4, 1))).save(tmp_path / "grey.png")
+  assert Image.open(tmp_path / "grey.png").mode.startswith("I;16")
+  _png16(tmp_path / "colour.png", np.full((4, 6, 3), [32768, 16384, 65535], np.uint16))
+  colour, grey = map(media.read_frames, media.scan_directory(str(tmp_path)))  # by name
+  assert colour.shape == (1, 4, 6, 3) and (colour == [128, 64, 255]).all()
+  assert grey.shape == (1, 4, 6, 3) and grey.dtype == np.uint8
+  np.testing.assert_array_equal(grey[0, 0, :, 0], [0, 51, 102, 153, 204, 255])
+  assert (grey == grey[..., :1]).all()
+  # mode I: how older Pillows open 16-bit greyscale PNGs
+  assert (media._rgb(Image.fromarray(np.full((2, 2), 32768, np.int32))) == 128).all()
 
 
 def test_shuffle_tags():

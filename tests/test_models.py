@@ -153,8 +153,8 @@ def test_missing_path_and_empty_folder(tmp_path):
       models.load(name, str(tmp_path))
   with pytest.raises(ValueError, match="unknown model type 'fluxx'"):
     models.load("fluxx", str(tmp_path))
-  with pytest.raises(ValueError, match="'ltx-video' \\(planned, not built yet\\)"):
-    family_lib.get("ltx-video")
+  with pytest.raises(ValueError, match="'hunyuan-video' \\(planned, not built yet\\)"):
+    family_lib.get("hunyuan-video")
 
 
 # ---- the family record --------------------------------------------------------------------------

@@ -35,17 +35,17 @@ def open_checkpoint(family, path: str, axes_dims_rope=None):
   single = family.single_file
   if single is None:
     raise CheckpointError(f"{path}: {family.type} loads from a diffusers folder only")
-  files = TensorFiles([path])
+  files = TensorFiles([path], skip=single.foreign)
   prefix = common_prefix(files.keys(), single.prefixes)
   if prefix:
-    files = TensorFiles([path], strip_prefix=prefix)
+    files = TensorFiles([path], strip_prefix=prefix, skip=single.foreign)
   if single.signature not in files:
     sample = ", ".join(sorted(files.keys())[:5])
     raise CheckpointError(
         f"{path} is not a {family.diffusers_class} single file: it lacks "
         f"{single.signature} (its keys begin: {sample}). Give the original single "
         "file of this model, or a diffusers folder")
-  return single.config(files.shapes(), axes_dims_rope), files, single.rows
+  return single.config(files.shapes(), files.metadata, axes_dims_rope), files, single.rows
 
 
 def load_params(abstract, family, files, rows, dtype, put=lambda path, x: jax.device_put(x),

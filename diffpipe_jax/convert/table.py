@@ -92,7 +92,8 @@ def unflatten(flat: Mapping[Tuple[str, ...], object]) -> dict:
 class Row:
   """One single-file module holding the diffusers `parts`, concatenated along the output rows.
 
-  `{i}` in the names stands for the block index. `params` maps diffusers parameter names to the
+  `{i}` in the names stands for the block index; "" is the model itself (its own parameters,
+  such as LTX-Video's `scale_shift_table`). `params` maps diffusers parameter names to the
   single file's (norms: "weight" -> "scale"). `swap_halves`: the single file stores the two
   halves of the rows in the other order.
   """
@@ -105,8 +106,10 @@ class Row:
 def _expand(rows: Sequence[Row], diffusers_keys) -> List[Tuple[str, Tuple[str, ...], bool]]:
   """Concrete (single key, diffusers keys, swap) triples for the keys present on the diffusers side."""
   out = []
+  join = lambda module, param: f"{module}.{param}" if module else param
   for row in rows:
-    pattern = re.compile(re.escape(row.parts[0]).replace(r"\{i\}", r"(\d+)") + r"\.(\w+)$")
+    module = re.escape(row.parts[0]).replace(r"\{i\}", r"(\d+)")
+    pattern = re.compile((module + r"\." if module else "") + r"(\w+)$")
     for key in diffusers_keys:
       m = pattern.match(key)
       if not m:
@@ -116,8 +119,8 @@ def _expand(rows: Sequence[Row], diffusers_keys) -> List[Tuple[str, Tuple[str, .
       if single_param is None:
         continue
       fmt = lambda name: name.format(i=i) if i is not None else name
-      out.append((f"{fmt(row.single)}.{single_param}",
-                  tuple(f"{fmt(p)}.{param}" for p in row.parts), row.swap_halves))
+      out.append((join(fmt(row.single), single_param),
+                  tuple(join(fmt(p), param) for p in row.parts), row.swap_halves))
   return out
 
 

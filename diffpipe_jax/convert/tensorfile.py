@@ -30,6 +30,11 @@ class CheckpointError(UserError):
 
 def read_header(path: str) -> Tuple[dict, int]:
   """Returns (tensor entries, byte offset of the data region), checking the file is complete."""
+  return read_header_and_metadata(path)[:2]
+
+
+def read_header_and_metadata(path: str) -> Tuple[dict, int, dict]:
+  """`read_header` and the file's string metadata (Lightricks' files keep their config there)."""
   if not os.path.isfile(path):
     raise CheckpointError(f"checkpoint file not found: {path}")
   size = os.path.getsize(path)
@@ -45,7 +50,7 @@ def read_header(path: str) -> Tuple[dict, int]:
       header = json.loads(f.read(n))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
       raise CheckpointError(f"{path} is not a safetensors file (bad header: {e})") from None
-  header.pop("__metadata__", None)
+  metadata = header.pop("__metadata__", None) or {}
   data_end = max((e["data_offsets"][1] for e in header.values()), default=0)
   if 8 + n + data_end > size:
     raise CheckpointError(
@@ -54,18 +59,24 @@ def read_header(path: str) -> Tuple[dict, int]:
   for key, e in header.items():
     if e["dtype"] not in DTYPES:
       raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {e['dtype']}")
-  return header, 8 + n
+  return header, 8 + n, metadata
 
 
 class TensorFiles:
-  """A read-only mapping from tensor name to a memory-mapped numpy array, over one or more files."""
+  """A read-only mapping from tensor name to a memory-mapped numpy array, over one or more files.
+  Keys that start with one of `skip` (another model's tensors in the same file) are left out;
+  `metadata` holds the files' string metadata."""
 
-  def __init__(self, paths: Iterable[str], strip_prefix: str = ""):
+  def __init__(self, paths: Iterable[str], strip_prefix: str = "", skip: Tuple[str, ...] = ()):
     self._entries: Dict[str, Tuple[str, dict, int]] = {}
     self._maps: Dict[str, np.memmap] = {}
+    self.metadata: Dict[str, str] = {}
     for path in paths:
-      header, offset = read_header(path)
+      header, offset, metadata = read_header_and_metadata(path)
+      self.metadata.update(metadata)
       for key, entry in header.items():
+        if key.startswith(skip):
+          continue
         name = key[len(strip_prefix):] if strip_prefix and key.startswith(strip_prefix) else key
         self._entries[name] = (path, entry, offset)
 
@@ -115,7 +126,8 @@ def safetensors_in_folder(folder: str):
 
 
 def write_safetensors(tensors: Dict[str, np.ndarray], path: str, metadata=None):
-  """Writes a safetensors file crash-safely (see `files.atomic_write`)."""
+  """Writes a safetensors file crash-safely (see `files.atomic_write`). `np.require`, not
+  `np.ascontiguousarray`, which turns a scalar (LTX's `timestep_scale_multiplier`) into shape [1]."""
   from safetensors.numpy import save
-  data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata)
+  data = save({k: np.require(v, requirements="C") for k, v in tensors.items()}, metadata=metadata)
   atomic_write(path, lambda f: f.write(data))

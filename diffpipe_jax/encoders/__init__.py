@@ -1,9 +1,12 @@
 """The PyTorch side of caching: a model family's frozen VAE and text encoders (`Encoders`), one
 module per family (`encoders/<family>.py`, with its `TORCH_SIDE`), imported only to cache a
 dataset or write tiny models, so that training never imports torch."""
+import contextlib
 import hashlib
 import json
 import os
+
+from tqdm import tqdm
 
 
 def default_device():
@@ -11,20 +14,40 @@ def default_device():
   return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def folder_digest(path):
-  """Hashes a component folder: small files (configs, tokenizers) by content, weights by name and
+@contextlib.contextmanager
+def library_bars_off():
+  """Turns off diffusers' and transformers' loading bars ("Loading weights", "Loading checkpoint
+  shards") for a while: encoders load inside the cache's own bar, and a bar opened inside another
+  nests, which fills a log file with cursor-up escape codes and a terminal with stray lines."""
+  from diffusers.utils import logging as diffusers_logging
+  from transformers.utils import logging as transformers_logging
+  on = [lib for lib in (diffusers_logging, transformers_logging) if lib.is_progress_bar_enabled()]
+  for lib in on:
+    lib.disable_progress_bar()
+  try:
+    yield
+  finally:
+    for lib in on:
+      lib.enable_progress_bar()
+
+
+def files_digest(paths):
+  """Hashes a component's files: small ones (configs, tokenizers) by content, weights by name and
   size, so a different checkpoint with the same config still changes the fingerprint."""
   h = hashlib.sha256()
-  for name in sorted(os.listdir(path)):
-    full = os.path.join(path, name)
-    if not os.path.isfile(full):
-      continue
+  for full in paths:
     size = os.path.getsize(full)
-    h.update(f"{name}:{size}\n".encode())
+    h.update(f"{os.path.basename(full)}:{size}\n".encode())
     if size < (1 << 20):
       with open(full, "rb") as f:
         h.update(f.read())
   return h.hexdigest()[:16]
+
+
+def folder_files(path):
+  """The files directly in a folder, sorted."""
+  return [full for full in (os.path.join(path, name) for name in sorted(os.listdir(path)))
+          if os.path.isfile(full)]
 
 
 class Encoders:
@@ -32,32 +55,59 @@ class Encoders:
   never loads them. Subclasses set `components` (diffusers subfolder -> (attribute, class)) and
   implement `load` (settings only), `load_models`, `encode_media` (np [B, F, H, W, 3] in
   [-1, 1] -> latents), `encode_text` (captions -> {field: embeddings}), `latent_grid` and
-  `pixel_multiple` (bucket sides are multiples of it)."""
+  `pixel_multiple` (bucket sides are multiples of it). `encode_text` tallies the captions a
+  token limit cuts (`count_truncated`); the cache says them once it is built."""
   components = {}
+  frame_rate = None  # frames per second videos are decoded at; None: the family takes images only
+  frames_per_latent = None  # a clip has 1 + k * this many frames (the VAE's temporal factor)
 
   def __init__(self, path, device, dtype, options):
     self.path, self.device, self.dtype, self.options = path, device, dtype, options
+    self.truncated = {}  # what the cut means -> [captions cut, captions read, the first cut]
 
   def __getattr__(self, name):  # only reached while a component is not loaded yet
     if name in {attr for attr, _ in self.components.values()}:
-      print(f"loading the encoders from {self.path} ({self.device})")
-      self.load_models()
+      # above any open bar (the cache's, when it is the first use), not on its line
+      tqdm.write(f"loading the encoders from {self.path} ({self.device})")
+      with library_bars_off():
+        self.load_models()
       return self.__dict__[name]
     raise AttributeError(name)
 
   def identity(self) -> str:
-    """Class names and folder hashes of every component, plus dtype and options: part of every
+    """Class names and file hashes of every component, plus dtype and options: part of every
     fingerprint, so swapping an encoder or a setting re-encodes the cache."""
     parts = [type(self).__name__, str(self.dtype).replace("torch.", ""),
              json.dumps(self.options, sort_keys=True)]
     for sub, (_, class_name) in self.components.items():
-      parts.append(f"{sub}={class_name}:{folder_digest(os.path.join(self.path, sub))}")
+      parts.append(f"{sub}={class_name}:{files_digest(self.component_files(sub))}")
     return "|".join(parts)
+
+  def component_files(self, sub):
+    """The files a component loads from: its diffusers subfolder's."""
+    return folder_files(os.path.join(self.path, sub))
 
   def config(self, sub) -> dict:
     """A component's config.json, read without loading the model."""
     with open(os.path.join(self.path, sub, "config.json")) as f:
       return json.load(f)
+
+  def count_truncated(self, meaning, tokenizer, captions, limit):
+    """Tallies the (non-empty) captions longer than `limit` tokens of `tokenizer`, special tokens
+    included: those that truncation cuts. `meaning` names the limit and what the cut costs."""
+    captions = [c for c in captions if c]
+    ids = tokenizer(captions, verbose=False).input_ids if captions else []  # we say it ourselves
+    cut = [c for c, row in zip(captions, ids) if len(row) > limit]
+    tally = self.truncated.setdefault(meaning, [0, 0, None])
+    tally[0], tally[1] = tally[0] + len(cut), tally[1] + len(captions)
+    tally[2] = tally[2] or (cut[0] if cut else None)
+
+  def truncation_notes(self):
+    """One line per limit that cut captions since the last call, and a fresh tally."""
+    notes = [f"{cut} of {read} captions {meaning} (first: \"{_beginning(first)}\")"
+             for meaning, (cut, read, first) in self.truncated.items() if cut]
+    self.truncated = {}
+    return notes
 
   def release(self):
     """Frees the models (and their GPU memory) before training starts."""
@@ -66,3 +116,7 @@ class Encoders:
       self.__dict__.pop(attr, None)
     if torch.cuda.is_available():
       torch.cuda.empty_cache()
+
+
+def _beginning(caption, n=60):
+  return caption if len(caption) <= n else caption[:n] + "..."

@@ -87,6 +87,7 @@ class FluxEncoders(Encoders):
     tokenised as FluxPipeline.encode_prompt does (padded to max length, truncated, no mask)."""
     import torch
     captions = list(captions)
+    self.count_truncated_captions(captions)
     tokens = lambda tok, n: tok(captions, padding="max_length", max_length=n, truncation=True,
                                 return_tensors="pt").input_ids.to(self.device)
     with torch.no_grad():
@@ -95,6 +96,16 @@ class FluxEncoders(Encoders):
       text = self.t5(tokens(self.t5_tokenizer, self.options["max_sequence_length"]),
                      output_hidden_states=False)[0]
     return dict(text=text.float().cpu().numpy(), pooled=pooled.float().cpu().numpy())
+
+  def count_truncated_captions(self, captions):
+    """T5 reads max_sequence_length tokens: the rest of a caption is never trained on. CLIP reads
+    77, which long captions pass routinely (FluxPipeline truncates them too; T5 reads the rest)."""
+    limit, clip_limit = self.options["max_sequence_length"], self.clip_tokenizer.model_max_length
+    self.count_truncated(f"are longer than T5's {limit} tokens (max_sequence_length) and were "
+                         "truncated: their end is not trained on", self.t5_tokenizer, captions, limit)
+    self.count_truncated(f"are longer than CLIP's {clip_limit} tokens and were truncated for CLIP, "
+                         f"as FluxPipeline truncates them; T5 reads up to {limit}",
+                         self.clip_tokenizer, captions, clip_limit)
 
 
 # Smallest Flux that still has every structural feature: several blocks of each kind, a head
@@ -119,13 +130,6 @@ def build_tiny(seed=0, **overrides):
   return model
 
 
-def save_diffusers(model, root, max_shard_size=None):
-  """Writes `root/transformer/` (config.json + safetensors, sharded with an index if asked)."""
-  kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-  model.save_pretrained(os.path.join(root, "transformer"), safe_serialization=True, **kw)
-  return root
-
-
 def save_single_file(model, path, prefix=""):
   """Writes the BFL single-file layout through our reversible conversion table."""
   tensors = table.to_single_file(tiny.state_dict_numpy(model), flux.SINGLE_FILE_TABLE)
@@ -134,10 +138,9 @@ def save_single_file(model, path, prefix=""):
 
 
 # Tiny text and VAE sides of the Flux pipeline: CLIP's pooled width is its hidden size, so it
-# equals the transformer's pooled_projection_dim; T5's d_model equals joint_attention_dim.
+# equals the transformer's pooled_projection_dim; T5's d_model is its joint_attention_dim.
 TINY_CLIP = dict(hidden_size=20, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                  max_position_embeddings=77, projection_dim=20)
-TINY_T5 = dict(d_model=24, d_kv=8, d_ff=32, num_layers=2, num_heads=2, feed_forward_proj="gated-gelu")
 TINY_VAE = dict(block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=8,
                 scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
                 use_post_quant_conv=False)
@@ -148,7 +151,7 @@ def write_tiny_pipeline(root, seed=0):
   scheduler) with the real classes, for caching and end-to-end tests. Returns root."""
   import torch
   from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
-  from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+  from transformers import CLIPTextConfig, CLIPTextModel
   transformer = build_tiny(seed)
   torch.manual_seed(seed + 1)
   vae = tiny.randomize_(AutoencoderKL(
@@ -160,9 +163,7 @@ def write_tiny_pipeline(root, seed=0):
   text_encoder = tiny.randomize_(CLIPTextModel(CLIPTextConfig(
       vocab_size=len(tokenizer), bos_token_id=bos, eos_token_id=eos, pad_token_id=eos,
       **TINY_CLIP)).eval())
-  text_encoder_2 = tiny.randomize_(T5EncoderModel(T5Config(
-      vocab_size=len(tokenizer_2), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-      **TINY_T5)).eval())
+  text_encoder_2 = tiny.t5_encoder(tokenizer_2, d_model=transformer.config.joint_attention_dim)
   scheduler = FlowMatchEulerDiscreteScheduler(
       shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
       base_image_seq_len=256, max_image_seq_len=4096)
@@ -175,8 +176,9 @@ def write_tiny_pipeline(root, seed=0):
 def save_tiny(model, root) -> dict:
   """`model` in every layout `models.load` takes: a diffusers folder (one file, and sharded
   with an index), the BFL single file, and the same with ComfyUI's key prefix."""
-  return dict(diffusers=save_diffusers(model, os.path.join(root, "pipeline")),
-              diffusers_sharded=save_diffusers(model, os.path.join(root, "sharded"), max_shard_size="40KB"),
+  return dict(diffusers=tiny.save_diffusers(model, os.path.join(root, "pipeline")),
+              diffusers_sharded=tiny.save_diffusers(model, os.path.join(root, "sharded"),
+                                                    max_shard_size="40KB"),
               single_file=save_single_file(model, os.path.join(root, "flux1.safetensors")),
               single_file_prefixed=save_single_file(model, os.path.join(root, "flux1_comfy.safetensors"),
                                                     prefix="model.diffusion_model."))
@@ -187,4 +189,5 @@ TORCH_SIDE = TorchSide(
     write_tiny_pipeline=write_tiny_pipeline,
     build_tiny=build_tiny,
     save_tiny=save_tiny,
+    pipeline="FluxPipeline",
 )

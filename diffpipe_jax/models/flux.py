@@ -10,7 +10,7 @@ the diffusers names; `diffpipe_jax.convert` reads it in both directions. `FAMILY
 is what the trainer knows of Flux.
 """
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import Family, SingleFile
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
+from diffpipe_jax.rules import FLAG, TEXT, number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,12 +184,9 @@ def block_stacks(cfg: FluxConfig):
   return ((STACKED[0], cfg.num_layers, 1.0), (STACKED[1], cfg.num_single_layers, 1.0))
 
 
-class Flux(layers.Module):
+class Flux(layers.Transformer):
   """The transformer. Inputs have diffusers' names and meanings; see `__call__`."""
   cfg: FluxConfig
-  attention_impl: Optional[str] = None
-  remat: Optional[Callable] = None  # a jax.checkpoint policy for each block, None: no remat
-  unrolled: bool = False  # the blocks unrolled rather than scanned (see stacks.run_unrolled)
 
   @nn.compact
   def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
@@ -331,8 +329,11 @@ FAMILY = Family(
         rows=SINGLE_FILE_TABLE,
         signature="double_blocks.0.img_attn.qkv.weight",  # tells a BFL Flux file from others
         prefixes=("model.diffusion_model.", "diffusion_model."),  # ComfyUI-style repackagings
-        config=config_from_single_file),
+        foreign=(),
+        # BFL's metadata holds no config
+        config=lambda shapes, metadata, axes: config_from_single_file(shapes, axes)),
     checkpoint_path=checkpoint_path,
+    config_rules=dict(diffusers_path=TEXT, transformer_path=TEXT, flux_shift=FLAG, guidance=number(0)),
     make_module=Flux,
     stacks=block_stacks,
     stacked=STACKED,
@@ -346,5 +347,6 @@ FAMILY = Family(
     position_ids=position_ids,
     shift_timesteps=shift_timesteps,
     training_inputs=training_inputs,
+    condition=None,
     torch_side="diffpipe_jax.encoders.flux",
 )

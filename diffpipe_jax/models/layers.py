@@ -9,7 +9,7 @@ Norms, RoPE and the timestep sinusoids are computed in float32 whatever the comp
 diffusers does.
 """
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -27,6 +27,13 @@ class Module(nn.Module, kw_only=True):
   @property
   def kw(self):
     return dict(dtype=self.dtype, param_dtype=self.param_dtype, lora_dropout=self.lora_dropout)
+
+
+class Transformer(Module, kw_only=True):
+  """A family's transformer: the settings of how its block stacks run, which `models.load` sets."""
+  attention_impl: Optional[str] = None
+  remat: Optional[Callable] = None  # a jax.checkpoint policy for each block, None: no remat
+  unrolled: bool = False  # the blocks unrolled rather than scanned (see stacks.run_unrolled)
 
 
 class Linear(Module):
@@ -147,14 +154,16 @@ def timestep_sinusoids(t, dim=256, max_period=10000.0):
 
 
 class MLPEmbedder(Module):
-  """linear_1 -> SiLU -> linear_2 (diffusers `TimestepEmbedding`, `PixArtAlphaTextProjection`)."""
+  """linear_1 -> activation -> linear_2 (diffusers `TimestepEmbedding`: SiLU;
+  `PixArtAlphaTextProjection`: SiLU or GELU(tanh))."""
   dim: int
+  activation: Callable = nn.silu
 
   @nn.compact
   def __call__(self, x):
     kw = self.kw
     x = Linear(self.dim, name="linear_1", **kw)(x.astype(self.dtype))
-    return Linear(self.dim, name="linear_2", **kw)(nn.silu(x))
+    return Linear(self.dim, name="linear_2", **kw)(self.activation(x))
 
 
 class FeedForward(Module):
@@ -185,8 +194,9 @@ def rope_tables(ids, axes_dims: Sequence[int], theta: float):
 
 
 def apply_rope(x, rope):
-  """Rotate interleaved channel pairs of x [B, S, N, H] by tables [S, H]; float32 math."""
-  cos, sin = (t[None, :, None, :] for t in rope)
+  """Rotate interleaved channel pairs of x [B, S, N, H] by tables [S, H] (the same for every
+  head) or [S, N, H] (LTX-Video's, which span the heads); float32 math."""
+  cos, sin = (t[None, :, None] if t.ndim == 2 else t[None] for t in rope)
   x32 = x.astype(jnp.float32)
   pairs = x32.reshape(*x.shape[:-1], -1, 2)
   rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
@@ -204,10 +214,13 @@ def apply_rope_to_prefix(x, rope):
 
 def attention(q, k, v, mask=None, implementation: Optional[str] = None):
   """Softmax attention on [B, S, N, H] tensors: cuDNN flash attention on GPU, XLA elsewhere.
-  `mask` [B, S_kv] (True: attend) masks padded keys. The one place attention is computed."""
-  if mask is not None:
-    mask = mask[:, None, None, :]
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+  `mask` [B, S_kv] (True: attend) masks padded keys, which must follow the kept ones (right
+  padding, as the tokenizers pad): it is passed as each row's key count, which cuDNN's kernel
+  takes as it is (a mask would be a bias of [B, N, S_q, S_kv]). The one place attention is
+  computed."""
+  lengths = None if mask is None else jnp.sum(mask, axis=-1, dtype=jnp.int32)
+  return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                      implementation=implementation)
 
 
 def default_attention_implementation(dtype) -> Optional[str]:

@@ -1,0 +1,36 @@
+"""LTX-Video LoRA training (text to video; images train as one-frame videos).
+
+  python main.py --config configs/ltx_video.py:tiny   # embedded tiny model and clips, CPU, no downloads
+  python main.py --config configs/ltx_video.py --config.model.diffusers_path=/models/LTX-Video \
+      --config.dataset.path=/data/my_clips
+  python main.py --config configs/ltx_video.py \
+      --config.model.diffusers_path=/models/LTX-Video \
+      --config.model.single_file_path=/models/ltx-video-2b-v0.9.1.safetensors ...
+
+Variants (the part after ':'): "" (bf16, rank 32) and "tiny" (a random tiny LTX-Video pipeline
+generated on first use with a small synthetic set of captioned clips and images). Key names
+follow diffusion-pipe; the shared ones are in configs/common.py.
+"""
+from configs import common
+from diffpipe_jax import tiny as tiny_defaults
+
+
+def get_config(arg=""):
+  c = common.base("ltx-video")
+  c.model.diffusers_path = ""  # a diffusers LTX-Video folder: the T5 encoder (and VAE, transformer)
+  c.model.single_file_path = ""  # or Lightricks' single file for transformer and VAE; wins if set
+  c.model.frame_rate = 25  # videos are decoded, and RoPE scaled, at this many frames per second
+  # with this probability a sample's first latent frame stays clean (t ~ 0, no loss on it): the
+  # model learns to continue a given first frame (image to video)
+  c.model.first_frame_conditioning_p = 0.0
+  c.dataset.resolutions = (512,)
+  c.dataset.frame_buckets = (1, 33, 65)  # 1 + 8k frames: the VAE's temporal factor is 8
+  if arg == "tiny":
+    common.tiny(c)
+    c.dataset.path = tiny_defaults.VIDEOS
+    c.dataset.resolutions = (64,)
+    c.dataset.frame_buckets = (1, 9, 17)
+    c.model.first_frame_conditioning_p = 0.5
+  elif arg:
+    raise ValueError(f"unknown configs/ltx_video.py variant {arg!r}; known: '', 'tiny'")
+  return c

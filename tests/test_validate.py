@@ -1,0 +1,119 @@
+"""The config is checked whole before anything runs: every key has a rule, every bad value is one
+line naming the key, the value and what is allowed, and main.py stops on it without writing."""
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from conftest import FAMILIES, family_config
+from diffpipe_jax import family as family_lib, validate
+from diffpipe_jax.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # relative paths (the tiny default's) resolve here
+
+
+def problems(name, overrides):
+  """`validate.check`'s lines for the family's tiny config with `overrides` applied."""
+  # as a config file of the user's writes them: any type (overrides keep a key's type)
+  config = ml_collections.ConfigDict(family_config(name).to_dict(), type_safe=False)
+  for key, value in overrides.items():
+    *sections, leaf = key.split(".")
+    section = config
+    for s in sections:
+      section = section[s]
+    section[leaf] = value
+  try:
+    validate.check(config, family_lib.get(name))
+  except UserError as e:
+    return str(e).splitlines()
+  return []
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_key_of_every_config_has_a_rule_and_passes(name):
+  table = validate.rules(family_lib.get(name))
+  keys = set()
+  for variant in ("", "tiny"):
+    config = family_config(name, variant)
+    flat = validate.flatten(config)
+    assert validate.value_problems(flat, table) == []
+    keys |= set(flat)
+  assert validate.combination_problems(config) == []  # the tiny variant's
+  unused = [k for k in table if not any(validate.fnmatch.fnmatchcase(f, k) for f in keys)]
+  assert unused == [], f"rules for keys no config has: {unused}"
+
+
+BAD = [  # (key, value, what the line says)
+    ("save_dtype", "fp16", "save_dtype='fp16': must be one of 'float32', 'bfloat16', 'float16'"),
+    ("checkpoints_to_keep", 0, "checkpoints_to_keep=0: must be an integer >= 1"),
+    ("adapter.rank", 0, "adapter.rank=0: must be an integer >= 1"),
+    ("adapter.rank", -2, "adapter.rank=-2: must be an integer >= 1"),
+    ("adapter.rank", 4.5, "adapter.rank=4.5: must be an integer >= 1"),
+    ("micro_batch_size_per_gpu", 0, "micro_batch_size_per_gpu=0: must be an integer >= 1"),
+    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps=0: must be an integer >= 1"),
+    ("optimizer.lr", -1.0, "optimizer.lr=-1.0: must be a number > 0"),
+    ("optimizer.lr", float("nan"), "optimizer.lr=nan: must be a number > 0"),
+    ("optimizer.betas", (0.9, 1.5), "optimizer.betas=(0.9, 1.5): must be a list of 2 values, each a number >= 0 and < 1"),
+    ("epochs", 0, "epochs=0: must be an integer >= 1"),
+    ("lr_scheduler", "cosin", "lr_scheduler='cosin': must be one of 'constant', 'linear', 'cosine'"),
+    ("model.dtype", "bf16", "model.dtype='bf16': must be one of 'float32', 'bfloat16', 'float16'"),
+    ("model.transformer_dtype", "fp8", "model.transformer_dtype='fp8': must be one of '', 'float8'"),
+    ("model.shift", 0.0, "model.shift=0.0: must be a number > 0"),
+    ("adapter.dropout", 1.0, "adapter.dropout=1.0: must be a number >= 0 and < 1"),
+    ("activation_checkpointing", "blok", "activation_checkpointing='blok': must be one of"),
+    ("unrolled", "yes", "unrolled='yes': must be True or False"),
+    ("dataset.resolutions", (512, 0), "dataset.resolutions=(512, 0): must be a list of values, each an integer >= 1"),
+    ("optimizer.lrr", 1e-3, "optimizer.lrr: unknown key"),  # a typo in a config file
+]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("key,value,line", BAD, ids=[f"{k}={v}" for k, v, _ in BAD])
+def test_a_bad_value_is_one_line_naming_key_value_and_what_is_allowed(name, key, value, line):
+  (found,) = problems(name, {key: value})
+  assert found.startswith(line), found
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_problem_is_reported_at_once(name):
+  found = problems(name, {"epochs": 0, "adapter.rank": 0, "save_dtype": "fp16"})
+  assert found[0] == "3 problems in the config:" and len(found) == 4, found
+
+
+COMBINATIONS_AND_FILES = [
+    ({"pipeline_stages": 2, "unrolled": True}, "set unrolled=False"),
+    ({"pipeline_stages": 2, "blocks_to_swap": 2}, "blocks_to_swap"),
+    ({"dataset.toml_path": "d.toml"}, "the TOML lists the directories; set only one"),
+    # a mistyped path of the tiny variant is an error, not a place for synthetic images
+    ({"dataset.path": "runs/tiny/imagez"}, "'runs/tiny/imagez' does not exist"),
+    ({"eval_datasets.tiny_eval.path": "evalz"}, "eval_datasets.tiny_eval.path='evalz': no such directory"),
+    ({"adapter.init_from_existing": "lora.safetensors"}, "adapter.init_from_existing='lora.safetensors': no such file"),
+    ({"generate_tiny": False}, ": no such file or directory"),  # the model path, no longer generated
+]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("overrides,line", COMBINATIONS_AND_FILES, ids=[str(o) for o, _ in COMBINATIONS_AND_FILES])
+def test_combinations_and_paths_are_checked(name, overrides, line):
+  found = problems(name, overrides)
+  assert any(line in f for f in found), found
+
+
+def test_main_stops_on_a_bad_value_in_one_line_before_writing_anything(tmp_path):
+  name = FAMILIES[0]
+  out = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "main.py"), "--config",
+       os.path.join(ROOT, "configs", name.replace("-", "_") + ".py") + ":tiny",
+       "--config.adapter.rank=0", "--config.dataset.path=imagez"],
+      env=dict(os.environ, PYTHONPATH=ROOT), cwd=tmp_path, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+  assert out.returncode != 0
+  assert out.stdout.strip() == "error: adapter.rank=0: must be an integer >= 1", out.stdout
+  assert os.listdir(tmp_path) == []  # no tiny model, no images (imagez is not a tiny default)
