@@ -7,9 +7,12 @@
       --blocks_to_swap 0,14,4   # issue 6's table
   python benchmarks/train_step.py --model ltx-video --res 512 --width 768 --frames 121 \
       --peer ../shared/bench/peer_torch_video.py
+  python benchmarks/train_step.py --model hunyuan-video --res 512 --frames 33 \
+      --peer ../shared/bench/peer_torch_video.py
 
 The released shape with random weights (`SHAPES`: FLUX.1-dev at 1024^2 with 512 text tokens;
-LTX-Video 2B at the given frames, height and width with 128 text tokens), LoRA rank 32 on every
+LTX-Video 2B at the given frames, height and width with 128 text tokens; HunyuanVideo 13B
+likewise with 256), LoRA rank 32 on every
 block Linear (float32), AdamW, bf16 compute, one sample per micro-batch and data-parallel
 replica (a step of `--microbatches` M on D x S GPUs trains D * M samples; the pipeline runs the M
 micro-batches as its microbatches). Modes: no rematerialisation, per-block rematerialisation,
@@ -105,9 +108,31 @@ def ltx_video_shape(a) -> Shape:
                f"({tokens} video + {a.txt} text tokens)")
 
 
-SHAPES = {"flux": flux_shape, "ltx-video": ltx_video_shape}
+def hunyuan_video_shape(a) -> Shape:
+  from diffpipe_jax.models import hunyuan_video
+  cfg = hunyuan_video.HunyuanVideoConfig(  # the released 13B model: diffusers' defaults
+      **(dict(num_attention_heads=2, attention_head_dim=32, num_layers=1, num_single_layers=2,
+              text_embed_dim=24, pooled_projection_dim=20, in_channels=8, out_channels=8,
+              rope_axes_dim=(4, 14, 14)) if a.smoke else {}))
+  width = a.width or a.res
+  # the VAE's 4x temporal and 8x spatial factors, then the 1x2x2 patch
+  grid = ((a.frames - 1) // 4 + 1, a.res // 16, width // 16)
+  tokens, d = int(np.prod(grid)), cfg.inner_dim
+  blocks = cfg.num_layers + cfg.num_single_layers
+  # a double block (each stream its own weights) and a single one both take 12 D^2 a token
+  mm_fwd = blocks * 2 * 12 * d * d * (tokens + a.txt)
+  flop = 2 * mm_fwd + 3 * blocks * 4 * (tokens + a.txt) ** 2 * d
+  return Shape(cfg, lambda n: hunyuan_video.random_batch(cfg, n, *grid, a.txt),
+               None if a.smoke else flop,
+               ["--model", "hunyuan", "--res", str(a.res), "--width", str(width), "--frames",
+                str(a.frames), "--txt", str(a.txt)],
+               f"HunyuanVideo, {'smoke' if a.smoke else '13B'} shape, {a.frames} frames of "
+               f"{width}x{a.res} ({tokens} video + {a.txt} text tokens)")
+
+
+SHAPES = {"flux": flux_shape, "ltx-video": ltx_video_shape, "hunyuan-video": hunyuan_video_shape}
 # each family's --res and --txt when not given
-DEFAULTS = {"flux": (1024, 512), "ltx-video": (512, 128)}
+DEFAULTS = {"flux": (1024, 512), "ltx-video": (512, 128), "hunyuan-video": (512, 256)}
 
 
 def run_mode(a, mode, layout_name, blocks_to_swap):
@@ -239,10 +264,10 @@ def table(ours, peer, flop):
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--model", choices=sorted(SHAPES), default="flux")
-  p.add_argument("--res", type=int, help="height in pixels (default: flux 1024, ltx-video 512)")
+  p.add_argument("--res", type=int, help="height in pixels (default: flux 1024, video models 512)")
   p.add_argument("--width", type=int, default=0, help="width in pixels, video models (default: = res)")
   p.add_argument("--frames", type=int, default=121, help="video frames, video models")
-  p.add_argument("--txt", type=int, help="text tokens (default: flux 512, ltx-video 128)")
+  p.add_argument("--txt", type=int, help="text tokens (default: flux 512, ltx-video 128, hunyuan-video 256)")
   p.add_argument("--rank", type=int, default=32)
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--peer", default="", help="path of the family's peer (peer_torch_flux.py, "

@@ -86,8 +86,9 @@ def committed_shards(cache_dir):
 def encode_batch(encoders, batch):
   """A batch's arrays (the media's latents, the captions' embeddings) and its (F, H, W)."""
   pixels = np.stack([item["load_pixels"]() for item in batch]).astype(np.float32)
+  captions = [item["caption"] for item in batch]
   return dict(latents=encoders.encode_media(pixels),
-              **encoders.encode_text([item["caption"] for item in batch])), pixels.shape[1:4]
+              **encoders.encode_text(captions, frames=pixels.shape[1])), pixels.shape[1:4]
 
 
 def compact(cache_dir, name, live, rows, shards):

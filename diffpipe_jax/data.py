@@ -138,7 +138,7 @@ class Batches:
                position_ids, name="dataset", micro_batches=1):
     self.directories, self.global_batch, self.seed = directories, global_batch, seed
     self.micro_batches = micro_batches  # a global batch is this many consecutive micro-batches
-    self.position_ids = position_ids  # latent grid -> position ids (the model family's)
+    self.position_ids = position_ids  # latent grid -> position ids (the model family's), or None
     groups = {}
     for d_idx, d in enumerate(directories):
       for bucket, count in d.cache.buckets():
@@ -177,8 +177,9 @@ class Batches:
             for row in rows[(m * process_count + process_index) * per:][:per]]
     items = [self.directories[d].cache.get(bucket, r) for d, r in rows]
     out = {k: np.stack([it[k] for it in items]) for k in items[0]}  # every cached field
-    ids = self.position_ids(self.directories[rows[0][0]].cache.grid(bucket))
-    out["position_ids"] = np.broadcast_to(ids, (len(rows),) + ids.shape)
+    if self.position_ids is not None:
+      ids = self.position_ids(self.directories[rows[0][0]].cache.grid(bucket))
+      out["position_ids"] = np.broadcast_to(ids, (len(rows),) + ids.shape)
     return out
 
   def iterate(self, epoch: int, start: int = 0, process_index=0, process_count=1):

@@ -19,21 +19,23 @@ from diffpipe_jax.errors import UserError
 
 MODELS = "diffpipe_jax.models"  # a family per module, but for the layers they share
 SHARED = ("layers",)
-PLANNED = ("ltx-video", "hunyuan-video")  # diffusion-pipe types that have no model file yet
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SingleFile:
-  """An original single-file layout (BFL's Flux, Lightricks' LTX, ...): its conversion `rows`
-  onto the Flax (diffusers) names (`convert.table`), a key that identifies the model, the key
-  prefixes of repackaged files, the key prefixes of other models the file may also hold (a
-  VAE: never loaded), and `config(shapes, metadata, axes_dims_rope)`: the model config from the
-  tensor shapes and the file's metadata."""
-  rows: tuple
+  """An original single-file layout (BFL's Flux, Lightricks' LTX, Tencent's HunyuanVideo): its
+  conversion `rows` onto our names (`convert.table`, the file holding the fused modules; None:
+  the file's names are ours), a key that identifies the model, the key prefixes of repackaged
+  files, the key prefixes of other models the file may also hold (a VAE: never loaded),
+  `config(shapes, metadata, axes_dims_rope)`: the model config from the tensor shapes and the
+  file's metadata, and `locations`: where the file lies inside the model's released folder
+  (Tencent's `.pt`), so that the folder itself can be given."""
+  rows: Optional[tuple]
   signature: str
   prefixes: tuple
   foreign: tuple
   config: Callable
+  locations: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +45,9 @@ class Family:
   type: str  # diffusion-pipe's model.type
   diffusers_class: str  # the diffusers transformer class (config.json's `_class_name`)
   config_from_diffusers: Callable  # config.json dict -> cfg
+  # our names from a diffusers folder's (`convert.table` rows, the folder holding the parts);
+  # None: the same names (Flux, LTX-Video)
+  diffusers_rows: Optional[tuple]
   single_file: Optional[SingleFile]  # the original single-file layout, if the family has one
   checkpoint_path: Callable  # model_config -> the transformer's path (a folder or a file)
   config_rules: dict  # the family's own `model` keys -> their `rules.Rule` (validate.py)
@@ -56,7 +61,9 @@ class Family:
   random_inputs: Callable  # (cfg, batch, grid..., seed=) -> random forward inputs (numpy)
   random_batch: Callable  # (cfg, batch, grid..., seed=) -> a random batch of cached samples
   shared_inputs: tuple  # forward inputs without a batch axis
-  position_ids: Callable  # a cached bucket's latent grid -> the position ids of its batches
+  # a cached bucket's latent grid -> the position ids of its batches; None: the model takes
+  # unpacked latents and derives the positions from their shape (HunyuanVideo)
+  position_ids: Optional[Callable]
   shift_timesteps: Callable  # (model_config, t, latents) -> the training timesteps
   training_inputs: Callable  # (model_config, cfg, batch, noisy latents, t) -> forward inputs
   # (model_config, key, batch, noisy latents, t [B]) -> (noisy latents, t [B] or per token
@@ -90,8 +97,7 @@ def names() -> tuple:
 def get(model_type: str) -> Family:
   """The family of diffusion-pipe's `model.type`, its model file imported on first use."""
   if model_type not in names():
-    planned = " (planned, not built yet)" if model_type in PLANNED else ""
-    raise UserError(f"unknown model type {model_type!r}{planned}; known: {list(names())}")
+    raise UserError(f"unknown model type {model_type!r}; known: {list(names())}")
   family = importlib.import_module(f"{MODELS}.{model_type.replace('-', '_')}").FAMILY
   assert family.type == model_type, (family.type, model_type)
   return family

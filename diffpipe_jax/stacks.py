@@ -59,7 +59,7 @@ def remat_policy(remat: str, unrolled: bool = False, pipelined: bool = False, sw
 @dataclasses.dataclass(frozen=True)
 class Stack:
   """A group of identical blocks whose parameters (and LoRA) are stacked on a leading layer axis.
-  `block` is an unbound module called as `block(x, *per_sample, *shared)` -> x."""
+  `block` is an unbound module called as `block(x, *shared, *per_sample)` -> x."""
   name: str
   block: nn.Module
   length: int
@@ -202,7 +202,7 @@ def run_stacks(stacks: Sequence[Stack], x, per_sample, shared, *, remat=None, ke
   `sharding.pipeline.Pipeline.run`), each by `run_swapped` if some of its layers' weights are in
   host memory, else by `run_unrolled` or `run_scanned`."""
   for n, stack in enumerate(stacks):
-    args, stack_key = (*per_sample, *shared), None if key is None else jax.random.fold_in(key, n)
+    args, stack_key = (*shared, *per_sample), None if key is None else jax.random.fold_in(key, n)
     if host_layers(stack.params):
       x = run_swapped(stack, x, args, stack_key)
     elif unrolled:

@@ -62,6 +62,31 @@ def t5_tokenizer():
                          pad_token="<pad>", extra_ids=0, model_max_length=512)
 
 
+LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                  "<|end_header_id|>", "<|eot_id|>")
+
+
+def llama_tokenizer():
+  """A byte-level BPE tokenizer with LLaMA-3's special tokens, `<|begin_of_text|>` prepended
+  and right padding. One merge, `{}`, which LLaMA-3 also has as one token: its prompt templates'
+  placeholder then counts as one, as diffusers assumes. Loads as transformers'
+  `PreTrainedTokenizerFast`, as the real one does."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+  from transformers import PreTrainedTokenizerFast
+  chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+  model = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(chars + ["{}"])},
+                               merges=[("{", "}")]))
+  model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  model.decoder = decoders.ByteLevel()
+  model.add_special_tokens(list(LLAMA3_SPECIAL))
+  bos = LLAMA3_SPECIAL[0]
+  model.post_processor = processors.TemplateProcessing(
+      single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, model.token_to_id(bos))])
+  return PreTrainedTokenizerFast(tokenizer_object=model, bos_token=bos, eos_token="<|end_of_text|>",
+                                 pad_token="<|end_of_text|>", padding_side="right",
+                                 model_max_length=8192)
+
+
 def t5_encoder(tokenizer, d_model):
   """A random T5 v1.1 encoder (gated GELU, as FLUX.1's and LTX-Video's T5-XXL) of width
   `d_model` over `tokenizer`'s ids (`t5_tokenizer`)."""

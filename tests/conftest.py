@@ -1,5 +1,7 @@
 import atexit
+import contextlib
 import importlib
+import inspect
 import os
 import shutil
 import tempfile
@@ -76,3 +78,53 @@ def load_encoders(name, pipeline, **options):
   model_config = family_config(name).model
   model_config.diffusers_path = pipeline
   return family_lib.torch_side(family_lib.get(name)).load_encoders(model_config, device="cpu", **options)
+
+
+@contextlib.contextmanager
+def diffusers_hidden_size(hidden_size):
+  """diffusers' HunyuanVideo conversions (`convert_hunyuan_video_transformer_to_diffusers` and
+  the LoRA converter `load_lora_weights` runs) split `linear1` at a hard-coded hidden size of
+  3072, the released model's, so a tiny model fails in them. This runs their own source with
+  the tiny model's size instead, nothing else changed (REFERENCE-video.md, section 7)."""
+  from diffusers.loaders import lora_conversion_utils, lora_pipeline, single_file_utils
+  patched = []
+  for module, name, users in (
+      (single_file_utils, "convert_hunyuan_video_transformer_to_diffusers", ()),
+      (lora_conversion_utils, "_convert_hunyuan_video_lora_to_diffusers", (lora_pipeline,))):
+    source = inspect.getsource(getattr(module, name))
+    assert source.count("hidden_size = 3072") == 1, name  # what this works around is still there
+    namespace = dict(vars(module))
+    exec(source.replace("hidden_size = 3072", f"hidden_size = {hidden_size}"), namespace)
+    for owner in (module, *users):
+      patched.append((owner, name, getattr(owner, name)))
+      setattr(owner, name, namespace[name])
+  try:
+    yield
+  finally:
+    for owner, name, original in patched:
+      setattr(owner, name, original)
+
+
+def load_lora_in_diffusers(fam, torch_model, path, adapter_name):
+  """Loads our exported LoRA into the torch transformer as a user does, through the family's
+  diffusers pipeline (its key conversions included; only the transformer is needed, the other
+  components may be absent). Returns the names of the modules that got the adapter."""
+  import diffusers
+  pipeline = getattr(diffusers, family_lib.torch_side(fam).pipeline)
+  components = {n: None for n in inspect.signature(pipeline.__init__).parameters if n != "self"}
+  # diffusers' HunyuanVideo LoRA converter splits fused weights at the released width only
+  width = torch_model.config.num_attention_heads * torch_model.config.attention_head_dim
+  with diffusers_hidden_size(width) if fam.type == "hunyuan-video" else contextlib.nullcontext():
+    pipeline(**dict(components, transformer=torch_model)).load_lora_weights(
+        path, adapter_name=adapter_name)
+  return {n for n, m in torch_model.named_modules() if hasattr(m, "lora_A") and adapter_name in m.lora_A}
+
+
+def diffusers_modules(fam, modules):
+  """The diffusers modules our exported ones are (a fused one is several: the family's rows)."""
+  from diffpipe_jax.convert import table
+  if fam.diffusers_rows is None:
+    return set(modules)
+  sources = table.row_sources(fam.diffusers_rows, {m + ".weight": (2, 2) for m in modules}, "parts")
+  assert set(sources) == {m + ".weight" for m in modules}  # every exported module has its row
+  return {key.rsplit(".", 1)[0] for pieces in sources.values() for key, _ in pieces}

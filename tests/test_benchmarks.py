@@ -34,19 +34,23 @@ def test_flux_forward_benchmark_smoke(tmp_path):
 # a PyTorch peer that checks it is asked for the same video shape
 VIDEO_PEER = """import json, sys
 args = " ".join(sys.argv[1:])
-assert "--model ltx --res 64 --width 64 --frames 9 --txt 8 --rank 4" in args, args
+assert "--res 64 --width 64 --frames 9 --txt 8 --rank 4" in args, args
+assert sys.argv[2] in ("ltx", "hunyuan"), args
 print(json.dumps(dict(step_s_median=0.5, peak_mem_gib=None)))
 """
 
 
-def test_ltx_video_step_benchmark_smoke(tmp_path):
+@pytest.mark.parametrize("model,title", [
+    ("ltx-video", "LTX-Video, smoke shape, 9 frames of 64x64 (8 video + 8 text tokens)"),
+    ("hunyuan-video", "HunyuanVideo, smoke shape, 9 frames of 64x64 (48 video + 8 text tokens)")])
+def test_video_step_benchmark_smoke(tmp_path, model, title):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   (tmp_path / "peer.py").write_text(VIDEO_PEER)
   out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--model",
-                        "ltx-video", "--smoke", "--modes", "per-block remat", "--layouts", "1x1,1x2",
+                        model, "--smoke", "--modes", "per-block remat", "--layouts", "1x1,1x2",
                         "--peer", str(tmp_path / "peer.py")],
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
-  assert out.startswith("LTX-Video, smoke shape, 9 frames of 64x64 (8 video + 8 text tokens)"), out
+  assert out.startswith(title), out
   rows = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.startswith("| ")][1:]
   assert [(r[1], r[3], r[4]) for r in rows] == [
       ("no remat", "PyTorch peer", "1x1"), ("per-block remat", "diffpipe-jax", "1x1"),

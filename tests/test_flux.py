@@ -60,7 +60,7 @@ def test_single_file_table_round_trips(flux_checkpoints):
   sd = tiny.state_dict_numpy(model)
   single = table.to_single_file(sd, flux.SINGLE_FILE_TABLE)
   assert "double_blocks.0.img_attn.qkv.weight" in single and "single_blocks.2.linear1.weight" in single
-  sources = table.single_file_sources(flux.SINGLE_FILE_TABLE, {k: v.shape for k, v in sd.items()})
+  sources = table.row_sources(flux.SINGLE_FILE_TABLE, {k: v.shape for k, v in sd.items()}, "single")
   assert set(sources) == set(sd)
   for key, source in sources.items():
     np.testing.assert_array_equal(table.read_tensor(single, source), sd[key])
@@ -86,7 +86,7 @@ def test_bfloat16_params_and_compute(flux_checkpoints):
   """In bf16 we stay as close to the float32 reference as diffusers' own bf16 forward does."""
   import jax.numpy as jnp
   m = models.load("flux", flux_checkpoints["dev"]["single_file"], dtype=jnp.bfloat16, progress=False)
-  assert m.params["transformer_blocks"]["attn"]["to_q"]["kernel"].dtype == jnp.bfloat16
+  assert m.params["transformer_blocks"]["attn.to_q"]["kernel"].dtype == jnp.bfloat16
   model = copy.deepcopy(flux_checkpoints["dev"]["torch"])
   for t in (0.001, 0.36, 0.9):
     inputs = {**flux_inputs(1, 4, 4, 5, guidance=True), "timestep": np.array([t], np.float32)}

@@ -1,5 +1,6 @@
-"""Shared layers: the float8 matmul of a float8 base, the XLA flags set on import, and attention
-in pieces (masked, cross, joint with the text after the image) against diffusers' modules."""
+"""Shared layers: the float8 matmul of a float8 base, the XLA flags set on import, masked cross
+attention and the double- and single-stream blocks (text after the image) against diffusers'
+modules."""
 import os
 import subprocess
 import sys
@@ -125,40 +126,43 @@ def test_cross_attention_with_a_padding_mask_matches_ltx_attention():
   assert rel_err(unmasked, want) > 1e-3
 
 
-def hunyuan_attention(dim, heads, head_dim, joint):
-  from diffusers.models.attention_processor import Attention
-  from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
-  extra = dict(added_kv_proj_dim=dim, context_pre_only=False, out_dim=dim) if joint else dict(pre_only=True)
-  return Attention(query_dim=dim, dim_head=head_dim, heads=heads, bias=True, qk_norm="rms_norm",
-                   eps=1e-6, processor=HunyuanVideoAttnProcessor2_0(), **extra)
+DIFFUSERS_DOUBLE = dict(
+    img=layers.StreamNames("norm1.linear", ("attn.to_q", "attn.to_k", "attn.to_v"),
+                           ("attn.norm_q", "attn.norm_k"), "attn.to_out.0", ("ff.net.0.proj", "ff.net.2")),
+    txt=layers.StreamNames("norm1_context.linear", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+                           ("attn.norm_added_q", "attn.norm_added_k"), "attn.to_add_out",
+                           ("ff_context.net.0.proj", "ff_context.net.2")))
+DIFFUSERS_SINGLE = layers.SingleStreamNames(
+    "norm.linear", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), ("attn.norm_q", "attn.norm_k"),
+    "proj_out")
 
 
-def test_joint_attention_with_text_last_and_rope_on_the_image_matches_hunyuan_video():
-  """HunyuanVideo's double-stream attention: [image; text], RoPE on the image tokens only,
-  padded text masked; and its single-stream attention over the joined sequence."""
+def test_stream_blocks_with_text_last_and_rope_on_the_image_match_hunyuan_video():
+  """The double- and single-stream blocks shared by Flux and HunyuanVideo, in HunyuanVideo's
+  order ([image; text], RoPE on the image tokens only, padded text masked), named as diffusers
+  names them, against diffusers' HunyuanVideo blocks."""
   import torch
-  heads, head_dim, dim = 3, 8, 24
+  from diffusers.models.transformers import transformer_hunyuan_video as hv
+  heads, head_dim, dim, img_len, txt_len = 3, 8, 24, 6, 4
   rng = np.random.default_rng(2)
-  img, txt = rng.standard_normal((2, 6, dim), np.float32), rng.standard_normal((2, 4, dim), np.float32)
-  rope = rope_tables(6, head_dim, 3)
-  mask = key_mask(2, 10, (10, 8))  # [image; text]: the second prompt has 2 padding tokens
-  torch_in = lambda *a: [torch.from_numpy(np.array(v)) for v in a]
-  torch_mask = torch.from_numpy(mask)[:, None, None, :]
-
-  ref = randomised(hunyuan_attention(dim, heads, head_dim, joint=True), 4)
-  ours = layers.JointAttention(heads, head_dim, context_first=False, rope_on_context=False)
-  params = params_from_torch(ours, ref, img, txt, rope, mask)
-  out_img, out_txt = ours.apply({"params": params}, img, txt, rope, mask)
-  with torch.no_grad():
-    want_img, want_txt = ref(*torch_in(img, txt), attention_mask=torch_mask,
-                             image_rotary_emb=tuple(torch_in(*rope)))
-  assert rel_err(out_img, want_img.numpy()) <= 1e-5 and rel_err(out_txt, want_txt.numpy()) <= 1e-5
-
-  ref = randomised(hunyuan_attention(dim, heads, head_dim, joint=False), 5)
-  ours = layers.SelfAttention(heads, head_dim, output=False)
+  img, txt = rng.standard_normal((2, img_len, dim), np.float32), rng.standard_normal((2, txt_len, dim), np.float32)
+  temb = rng.standard_normal((2, dim), np.float32)
+  rope = rope_tables(img_len, head_dim, 3)
+  mask = key_mask(2, img_len + txt_len, (10, 8))  # the second prompt has 2 padding tokens
   joined = np.concatenate([img, txt], axis=1)
-  out = ours.apply({"params": params_from_torch(ours, ref, joined, rope, mask)}, joined, rope, mask)
-  with torch.no_grad():
-    want_img, want_txt = ref(*torch_in(img, txt), attention_mask=torch_mask,
-                             image_rotary_emb=tuple(torch_in(*rope)))
-  assert rel_err(out, torch.cat([want_img, want_txt], 1).numpy()) <= 1e-5
+  torch_in = lambda *a: [torch.from_numpy(np.array(v)) for v in a]
+  torch_args = (*torch_in(img, txt, temb), torch.from_numpy(mask)[:, None, None, :],
+                tuple(torch_in(*rope)))
+  for ref, ours in (
+      (hv.HunyuanVideoTransformerBlock(heads, head_dim, mlp_ratio=2.0),
+       layers.DoubleStreamBlock(heads, 2.0, txt_len, **DIFFUSERS_DOUBLE, text_first=False)),
+      (hv.HunyuanVideoSingleTransformerBlock(heads, head_dim, mlp_ratio=2.0),
+       layers.SingleStreamBlock(heads, 2.0, DIFFUSERS_SINGLE))):
+    ref = randomised(ref, 4)
+    params = params_from_torch(ours, ref, joined, rope, temb, mask)
+    out = ours.apply({"params": params}, joined, rope, temb, mask)
+    with torch.no_grad():
+      want = torch.cat(ref(*torch_args), dim=1).numpy()
+    assert rel_err(out, want) <= 1e-5, type(ref).__name__
+    # the mask matters: without it the padded tokens change the output
+    assert rel_err(ours.apply({"params": params}, joined, rope, temb), want) > 1e-3

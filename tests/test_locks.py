@@ -99,7 +99,7 @@ class SlowEncoders:
       f.write("item\n" * len(pixels))
     return pixels.mean(-1)
 
-  def encode_text(self, captions):
+  def encode_text(self, captions, frames=1):
     return dict(text=np.array([[len(c), sum(map(ord, c))] for c in captions], np.float32))
 
   def latent_grid(self, frames, height, width):

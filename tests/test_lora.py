@@ -2,7 +2,6 @@
 exactly as we do."""
 import copy
 import errno
-import inspect
 import json
 import os
 import re
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from diffpipe_jax import family as family_lib, lora, models
+from conftest import diffusers_modules, load_lora_in_diffusers
 from diffpipe_jax.convert import CheckpointError
 
 INPUTS = dict(batch=2, seed=5)
@@ -73,13 +73,9 @@ def test_export_loads_in_diffusers_and_matches(loaded, tmp_path):
   torch_inputs = {k: None if v is None else torch.from_numpy(v) for k, v in inputs.items()}
   with torch.no_grad():
     before = t(**torch_inputs, return_dict=False)[0].numpy()
-  # loaded as a user does, by the pipeline (its key conversions included); only the
-  # transformer is needed, the other components may be absent
-  pipeline = getattr(diffusers, family_lib.torch_side(fam).pipeline)
-  components = {n: None for n in inspect.signature(pipeline.__init__).parameters if n != "self"}
-  pipeline(**dict(components, transformer=t)).load_lora_weights(path, adapter_name="ours")
-  adapted = {n for n, m in t.named_modules() if hasattr(m, "lora_A") and "ours" in m.lora_A}
-  assert {fam.lora_prefix + n for n in adapted} == {k.rsplit(".lora_", 1)[0] for k in keys}
+  # loaded as a user does, by the pipeline (its key conversions included)
+  adapted = load_lora_in_diffusers(fam, t, path, "ours")
+  assert adapted == diffusers_modules(fam, {k[len(fam.lora_prefix):].rsplit(".lora_", 1)[0] for k in keys})
   with torch.no_grad():
     after = t(**torch_inputs, return_dict=False)[0].numpy()
   assert rel_err(after, before) > 1e-2  # the adapter really changed the torch model

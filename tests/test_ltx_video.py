@@ -143,7 +143,7 @@ def test_single_file_table_is_diffusers_conversion(checkpoints):
   assert set(back) == set(sd)
   for key, value in back.items():
     np.testing.assert_array_equal(value.numpy(), sd[key])
-  sources = table.single_file_sources(ltx.SINGLE_FILE_TABLE, {k: v.shape for k, v in sd.items()})
+  sources = table.row_sources(ltx.SINGLE_FILE_TABLE, {k: v.shape for k, v in sd.items()}, "single")
   assert set(sources) == set(sd)
   for key, source in sources.items():
     np.testing.assert_array_equal(table.read_tensor(single, source), sd[key])

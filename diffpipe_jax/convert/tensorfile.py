@@ -5,6 +5,7 @@ a fused qkv) reads only those pages, and nothing is copied until the caller conv
 header is validated against the file size first: reading past the end of a truncated file
 through a memory map would crash the process instead of raising.
 """
+import functools
 import json
 import os
 import struct
@@ -99,6 +100,65 @@ class TensorFiles:
     start, stop = entry["data_offsets"]
     raw = self._maps[path][offset + start:offset + stop]
     return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+class TorchFiles:
+  """`TensorFiles` over a torch pickle (Tencent's `mp_rank_00_model_states.pt`: the weights
+  under `module`), read as torch loads it safely: `weights_only=True` (no code runs from the
+  file) and memory-mapped (`mmap=True`: nothing is read until a tensor is converted)."""
+
+  def __init__(self, path: str, strip_prefix: str = "", skip: Tuple[str, ...] = ()):
+    import torch
+    try:
+      state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, ValueError) as e:  # torch's own for a bad or truncated file
+      raise CheckpointError(f"{path} is not a readable torch checkpoint ({_first_line(e)}); copy "
+                            "or download it again, or give the .safetensors layout") from None
+    state = state.get("module", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+      raise CheckpointError(f"{path} holds no state dict of tensors (expected them under `module`)")
+    self._tensors = {(k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k): v
+                     for k, v in state.items() if not k.startswith(skip)}
+    self.metadata: Dict[str, str] = {}
+
+  def keys(self):
+    return self._tensors.keys()
+
+  def __contains__(self, key):
+    return key in self._tensors
+
+  def shape(self, key) -> Tuple[int, ...]:
+    return tuple(self._tensors[key].shape)
+
+  def shapes(self) -> Dict[str, Tuple[int, ...]]:
+    return {k: self.shape(k) for k in self._tensors}
+
+  def __getitem__(self, key) -> np.ndarray:
+    value = self._tensors[key].detach()
+    views, ints = _torch_views()
+    if value.dtype in views:  # a dtype numpy lacks: viewed bit for bit
+      return value.view(ints[value.element_size()]).numpy().view(views[value.dtype])
+    return value.numpy()
+
+
+def _first_line(error) -> str:
+  return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_views():
+  """torch dtypes numpy lacks -> their ml_dtypes, and the same-size ints to view them through."""
+  import torch
+  return ({torch.bfloat16: ml_dtypes.bfloat16, torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+           torch.float8_e5m2: ml_dtypes.float8_e5m2},
+          {1: torch.uint8, 2: torch.int16})
+
+
+def open_tensor_file(path: str, strip_prefix: str = "", skip: Tuple[str, ...] = ()):
+  """A single checkpoint file's tensors: safetensors, or a torch pickle (.pt, .pth, .bin)."""
+  if path.endswith((".pt", ".pth", ".bin", ".ckpt")):
+    return TorchFiles(path, strip_prefix, skip)
+  return TensorFiles([path], strip_prefix, skip)
 
 
 def common_prefix(keys, candidates: Iterable[str]) -> str:

@@ -54,9 +54,11 @@ class Encoders:
   """One model family's frozen encoders, loaded on first use: a cache that is already complete
   never loads them. Subclasses set `components` (diffusers subfolder -> (attribute, class)) and
   implement `load` (settings only), `load_models`, `encode_media` (np [B, F, H, W, 3] in
-  [-1, 1] -> latents), `encode_text` (captions -> {field: embeddings}), `latent_grid` and
-  `pixel_multiple` (bucket sides are multiples of it). `encode_text` tallies the captions a
-  token limit cuts (`count_truncated`); the cache says them once it is built."""
+  [-1, 1] -> latents), `encode_text` (captions, frames=1 -> {field: embeddings}; `frames`, the
+  media's frame count, is for a family that prompts its text encoder differently for images
+  and videos; the others ignore it), `latent_grid` and `pixel_multiple` (bucket sides are
+  multiples of it). `encode_text` tallies the captions a token limit cuts (`count_truncated`);
+  the cache says them once it is built."""
   components = {}
   frame_rate = None  # frames per second videos are decoded at; None: the family takes images only
   frames_per_latent = None  # a clip has 1 + k * this many frames (the VAE's temporal factor)

@@ -82,7 +82,7 @@ class FluxEncoders(Encoders):
     x = torch.from_numpy(np.ascontiguousarray(pixels[:, 0].transpose(0, 3, 1, 2)))
     return self.encode_images(x).float().cpu().numpy()
 
-  def encode_text(self, captions):
+  def encode_text(self, captions, frames=1):
     """Captions -> dict(text=[B, T, D] T5 last hidden state, pooled=[B, D'] CLIP pooled output),
     tokenised as FluxPipeline.encode_prompt does (padded to max length, truncated, no mask)."""
     import torch

@@ -114,7 +114,7 @@ class LTXVideoEncoders(Encoders):
     z = (z - stats(vae.latents_mean)) * vae.config.scaling_factor / stats(vae.latents_std)
     return z.permute(0, 2, 3, 4, 1).reshape(b, -1, z.shape[1]).float().cpu().numpy()
 
-  def encode_text(self, captions):
+  def encode_text(self, captions, frames=1):
     """Captions -> dict(text=[B, T, D] T5 last hidden state, text_mask=[B, T] 1 = token), as
     LTXPipeline.encode_prompt makes them: padded to max_sequence_length, truncated, and T5 run
     without the mask (pads are attended inside T5; the transformer's cross-attention masks them)."""

@@ -42,7 +42,8 @@ def abstract_params(fam: Family, module, config):
 
 def storage_finalizer(fam: Family, transformer_dtype: Optional[str]):
   """Per-leaf hook for the frozen weights' storage: "float8" keeps the block Linears' kernels
-  in float8_e4m3fn with per-channel scales; norms, biases, embedders and final layers stay."""
+  in float8_e4m3fn with per-channel scales; norms, biases, embedders and final layers stay.
+  A kernel that is float8 already (a float8 checkpoint's) keeps its values, at scale 1."""
   if transformer_dtype in (None, ""):
     return None
   if transformer_dtype != "float8":
@@ -53,11 +54,19 @@ def storage_finalizer(fam: Family, transformer_dtype: Optional[str]):
     return q, jnp.squeeze(scale, -2)
 
   def finalize(path, value):
-    if path[-1] != "kernel" or not table.matches(".".join(path[:-1]), fam.float8_targets):
+    if not is_float8_kernel(fam, path):
       return {path: value}
-    q, scale = quantize(value)
+    if value.dtype == jnp.float8_e4m3fn:
+      q, scale = value, jnp.ones(value.shape[:-2] + value.shape[-1:], jnp.float32)
+    else:
+      q, scale = quantize(value)
     return {path: q, path[:-1] + ("kernel_scale",): scale}
   return finalize
+
+
+def is_float8_kernel(fam: Family, path) -> bool:
+  """Whether float8 storage covers this leaf: a kernel of the family's `float8_targets`."""
+  return path[-1] == "kernel" and table.matches(".".join(path[:-1]), fam.float8_targets)
 
 
 def _module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled):
@@ -70,7 +79,7 @@ def _module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled):
 
 def checkpoint_config(model_type: str, path: str, axes_dims_rope=None):
   """The model config of a checkpoint (read from its config.json or its tensor shapes)."""
-  return convert.open_checkpoint(family_lib.get(model_type), path, axes_dims_rope)[0]
+  return convert.open_checkpoint(family_lib.get(model_type), path, axes_dims_rope).config
 
 
 def _placement(fam, transformer_dtype, layout):
@@ -88,8 +97,9 @@ def _placement(fam, transformer_dtype, layout):
 def load(model_type: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
          attention_impl: Optional[str] = "auto", remat="none", unrolled=False, axes_dims_rope=None,
          layout=None, progress=True) -> Model:
-  """Loads a model of `model_type` (one of `family.names()`) from a diffusers folder
-  or an original single file.
+  """Loads a model of `model_type` (one of `family.names()`) from a diffusers folder, an
+  original single file (a float8 one loads as the float8 base, "float8" below, without a
+  high-precision copy), or the released folder that holds it.
 
   dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype);
   transformer_dtype: "float8" stores the blocks' frozen Linear kernels in float8 (and
@@ -103,11 +113,14 @@ def load(model_type: str, path: str, dtype=jnp.float32, param_dtype=None, transf
   swapped blocks in host memory); default: the default device.
   """
   fam = family_lib.get(model_type)
-  config, files, rows = convert.open_checkpoint(fam, path, axes_dims_rope)
+  checkpoint = convert.open_checkpoint(fam, path, axes_dims_rope)
+  config = checkpoint.config
   module = _module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled)
   put, finalize = _placement(fam, transformer_dtype, layout)
-  params = convert.load_params(abstract_params(fam, module, config), fam, files, rows,
-                               param_dtype or dtype, put=put, finalize=finalize, progress=progress)
+  keeps_float8 = lambda p: transformer_dtype == "float8" and is_float8_kernel(fam, p)
+  params = convert.load_params(abstract_params(fam, module, config), fam, checkpoint,
+                               param_dtype or dtype, put=put, finalize=finalize, progress=progress,
+                               keeps_float8=keeps_float8)
   return Model(fam, config, module, params if layout is None else layout.pack(params))
 
 

@@ -1,8 +1,9 @@
 """FLUX.1 transformer (dev with guidance embedding, schnell without) in Flax.
 
 Reimplements diffusers `FluxTransformer2DModel` with the same parameter names (the names its
-LoRAs are exported in); the 19 double- and 38 single-stream blocks are two stacks (`stacks`), so
-their parameters are one array per weight (`transformer_blocks/attn/to_q/kernel` is
+LoRAs are exported in); the 19 double- and 38 single-stream blocks (`layers.DoubleStreamBlock`,
+`layers.SingleStreamBlock`, shared with HunyuanVideo) are two stacks (`stacks`), so their
+parameters are one array per weight (`transformer_blocks/attn.to_q/kernel` is
 [num_layers, D, D]) that the block runtime runs scanned, unrolled or pipelined.
 
 `SINGLE_FILE_TABLE` maps the Black Forest Labs single-file layout (`flux1-dev.safetensors`) onto
@@ -10,7 +11,7 @@ the diffusers names; `diffpipe_jax.convert` reads it in both directions. `FAMILY
 is what the trainer knows of Flux.
 """
 import dataclasses
-from typing import Optional, Sequence
+from typing import Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -60,16 +61,6 @@ def config_from_diffusers(cfg: dict) -> FluxConfig:
   return FluxConfig(**kw)
 
 
-def default_rope_axes(head_dim: int):
-  """FLUX.1 rotates 16 channels by the (unused) time id and splits the rest between rows and
-  columns: (16, 56, 56) at head_dim 128. Scaled the same way for smaller heads."""
-  t = head_dim // 8
-  hw = (head_dim - t) // 2
-  if head_dim % 8 or hw % 2 or t + 2 * hw != head_dim:
-    raise ValueError(f"cannot derive the RoPE axes for head_dim={head_dim}; pass axes_dims_rope")
-  return (t, hw, hw)
-
-
 def config_from_single_file(shapes: dict, axes_dims_rope=None) -> FluxConfig:
   """Derives every hyperparameter from the tensor shapes of a BFL single file."""
   inner, in_ch = shapes["img_in.weight"]
@@ -85,7 +76,7 @@ def config_from_single_file(shapes: dict, axes_dims_rope=None) -> FluxConfig:
       joint_attention_dim=shapes["txt_in.weight"][1],
       pooled_projection_dim=shapes["vector_in.in_layer.weight"][1],
       guidance_embeds="guidance_in.in_layer.weight" in shapes,
-      axes_dims_rope=tuple(axes_dims_rope or default_rope_axes(head_dim)),
+      axes_dims_rope=tuple(axes_dims_rope or layers.default_rope_axes(head_dim)),
       mlp_ratio=shapes["double_blocks.0.img_mlp.0.weight"][0] / inner,
       timestep_dim=shapes["time_in.in_layer.weight"][1],
   )
@@ -129,52 +120,17 @@ SINGLE_FILE_TABLE = (
 )
 
 
-class DoubleBlock(layers.Module):
-  """diffusers `FluxTransformerBlock`: separate weights for the image and text streams, joint
-  attention over [text; image]. Takes and returns the concatenated [text; image] sequence, so
-  that every block of the model carries one activation of one shape (as the pipeline needs)."""
-  cfg: FluxConfig
-  txt_len: int
-  attention_impl: Optional[str] = None
-
-  @nn.compact
-  def __call__(self, x, temb, rope):
-    txt, img = x[:, :self.txt_len], x[:, self.txt_len:]
-    c, kw = self.cfg, self.kw
-    mod = layers.AdaLNModulation(c.inner_dim, 6, name="norm1", **kw)(temb)
-    cmod = layers.AdaLNModulation(c.inner_dim, 6, name="norm1_context", **kw)(temb)
-    img_attn, txt_attn = layers.JointAttention(
-        c.num_attention_heads, c.attention_head_dim, implementation=self.attention_impl,
-        name="attn", **kw)(layers.modulate(layers.layer_norm(img), mod[0], mod[1]),
-                           layers.modulate(layers.layer_norm(txt), cmod[0], cmod[1]), rope)
-    img = self._residual_mlp(img, img_attn, mod, "ff")
-    txt = self._residual_mlp(txt, txt_attn, cmod, "ff_context")
-    return jnp.concatenate([txt, img], axis=1)
-
-  def _residual_mlp(self, x, attn_out, mod, name):
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod
-    x = x + gate_msa[:, None] * attn_out
-    ff = layers.FeedForward(self.cfg.inner_dim, self.cfg.mlp_ratio, name=name, **self.kw)
-    return x + gate_mlp[:, None] * ff(layers.modulate(layers.layer_norm(x), shift_mlp, scale_mlp))
-
-
-class SingleBlock(layers.Module):
-  """diffusers `FluxSingleTransformerBlock` on the concatenated [text; image] sequence: parallel
-  attention and MLP branches, fused by `proj_out`."""
-  cfg: FluxConfig
-  txt_len: int
-  attention_impl: Optional[str] = None
-
-  @nn.compact
-  def __call__(self, x, temb, rope):
-    c, kw = self.cfg, self.kw
-    shift, scale, gate = layers.AdaLNModulation(c.inner_dim, 3, name="norm", **kw)(temb)
-    h = layers.modulate(layers.layer_norm(x), shift, scale)
-    mlp = nn.gelu(Linear(int(c.inner_dim * c.mlp_ratio), name="proj_mlp", **kw)(h), approximate=True)
-    attn = layers.SelfAttention(c.num_attention_heads, c.attention_head_dim, output=False,
-                                implementation=self.attention_impl, name="attn", **kw)(h, rope)
-    out = Linear(c.inner_dim, name="proj_out", **kw)(jnp.concatenate([attn, mlp], axis=-1))
-    return x + gate[:, None] * out
+# The blocks' module names: diffusers', in which Flux's LoRAs are exported.
+DOUBLE_NAMES = dict(
+    img=layers.StreamNames("norm1.linear", tuple(f"attn.to_{p}" for p in "qkv"),
+                           ("attn.norm_q", "attn.norm_k"), "attn.to_out.0",
+                           ("ff.net.0.proj", "ff.net.2")),
+    txt=layers.StreamNames("norm1_context.linear", tuple(f"attn.add_{p}_proj" for p in "qkv"),
+                           ("attn.norm_added_q", "attn.norm_added_k"), "attn.to_add_out",
+                           ("ff_context.net.0.proj", "ff_context.net.2")))
+SINGLE_NAMES = layers.SingleStreamNames(
+    "norm.linear", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+    ("attn.norm_q", "attn.norm_k"), "proj_out")
 
 
 def block_stacks(cfg: FluxConfig):
@@ -214,16 +170,20 @@ class Flux(layers.Transformer):
     rope = layers.rope_tables(jnp.concatenate([txt_ids, img_ids], axis=0), c.axes_dims_rope, 10000.0)
     x = jnp.concatenate([txt, img], axis=1)
     blocks = []
-    for (name, length, _), block in zip(block_stacks(c), (DoubleBlock, SingleBlock)):
-      block = block(c, txt.shape[1], self.attention_impl, parent=None, **kw)
+    double = layers.DoubleStreamBlock(
+        c.num_attention_heads, c.mlp_ratio, txt.shape[1], **DOUBLE_NAMES, text_first=True,
+        attention_impl=self.attention_impl, parent=None, **kw)
+    single = layers.SingleStreamBlock(c.num_attention_heads, c.mlp_ratio, SINGLE_NAMES,
+                                      self.attention_impl, parent=None, **kw)
+    for (name, length, _), block in zip(block_stacks(c), (double, single)):
       blocks.append(stacks.Stack(
-          name, block, length, layers.stacked_params(self, name, block, length, x, temb, rope),
+          name, block, length, layers.stacked_params(self, name, block, length, x, rope, temb),
           self.get_variable("lora", name) if self.has_variable("lora", name) else None))
     key = self.make_rng("dropout") if self.lora_dropout > 0 else None
     img = run_stacks(blocks, x, (temb,), (rope,), remat=self.remat, key=key,
                      unrolled=self.unrolled)[:, txt.shape[1]:]
 
-    scale, shift = layers.AdaLNModulation(c.inner_dim, 2, name="norm_out", **kw)(temb)
+    scale, shift = layers.adaln_chunks(temb, 2, "norm_out.linear", **kw)
     out_dim = c.patch_size ** 2 * c.out_channels
     return Linear(out_dim, name="proj_out", **kw)(layers.modulate(layers.layer_norm(img), shift, scale))
 
@@ -325,6 +285,7 @@ FAMILY = Family(
     type="flux",
     diffusers_class="FluxTransformer2DModel",
     config_from_diffusers=config_from_diffusers,
+    diffusers_rows=None,
     single_file=SingleFile(
         rows=SINGLE_FILE_TABLE,
         signature="double_blocks.0.img_attn.qkv.weight",  # tells a BFL Flux file from others

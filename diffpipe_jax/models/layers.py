@@ -8,12 +8,14 @@ Every module takes `dtype` (compute), `param_dtype` (storage) and `lora_dropout`
 Norms, RoPE and the timestep sinusoids are computed in float32 whatever the compute dtype, as
 diffusers does.
 """
+import dataclasses
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Dtype = Any
 
@@ -132,38 +134,35 @@ class RMSNorm(Module):
     return (x32 * weight.astype(jnp.float32)).astype(self.dtype)
 
 
-class AdaLNModulation(Module):
-  """`linear(silu(emb))` split into `num_chunks` [B, D] tensors (diffusers' `norm*.linear`)."""
-  dim: int
-  num_chunks: int
-
-  @nn.compact
-  def __call__(self, emb):
-    out = Linear(self.num_chunks * self.dim, name="linear", **self.kw)(nn.silu(emb))
-    return jnp.split(out, self.num_chunks, axis=-1)
-
-
 def timestep_sinusoids(t, dim=256, max_period=10000.0):
   """diffusers `get_timestep_embedding(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0)`."""
-  half = dim // 2
-  # Computed in float32 in the same order as diffusers: the arguments reach 1000 rad, so a
-  # frequency one ulp away from torch's already shows as 1e-6 of output error.
-  freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
-  args = t.astype(jnp.float32)[:, None] * freqs[None]
+  args = t.astype(jnp.float32)[:, None] * sinusoid_frequencies(dim, max_period)[None]
   return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+def sinusoid_frequencies(dim: int, max_period: float) -> np.ndarray:
+  """exp(-log(max_period) * i / half) in float32: the exponents in torch's float32 order, the
+  power correctly rounded (XLA's float32 exp is not, and is 1 ulp off torch's for an eighth of
+  them). The arguments reach 6000 rad (guidance 6 x 1000), where one ulp of a frequency is
+  already 1e-4 rad."""
+  half = dim // 2
+  exponents = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32) / np.float32(half)
+  return np.exp(exponents.astype(np.float64)).astype(np.float32)
 
 
 class MLPEmbedder(Module):
   """linear_1 -> activation -> linear_2 (diffusers `TimestepEmbedding`: SiLU;
-  `PixArtAlphaTextProjection`: SiLU or GELU(tanh))."""
+  `PixArtAlphaTextProjection`: SiLU or GELU(tanh)); `names`: the two Linears' (Tencent's
+  `mlp.0`/`mlp.2`, `in_layer`/`out_layer`)."""
   dim: int
   activation: Callable = nn.silu
+  names: Tuple[str, str] = ("linear_1", "linear_2")
 
   @nn.compact
   def __call__(self, x):
     kw = self.kw
-    x = Linear(self.dim, name="linear_1", **kw)(x.astype(self.dtype))
-    return Linear(self.dim, name="linear_2", **kw)(self.activation(x))
+    x = Linear(self.dim, name=self.names[0], **kw)(x.astype(self.dtype))
+    return Linear(self.dim, name=self.names[1], **kw)(self.activation(x))
 
 
 class FeedForward(Module):
@@ -191,6 +190,17 @@ def rope_tables(ids, axes_dims: Sequence[int], theta: float):
     cos.append(jnp.repeat(jnp.cos(angles), 2, axis=-1))
     sin.append(jnp.repeat(jnp.sin(angles), 2, axis=-1))
   return jnp.concatenate(cos, -1), jnp.concatenate(sin, -1)
+
+
+def default_rope_axes(head_dim: int):
+  """The RoPE axes of FLUX.1 and HunyuanVideo, (16, 56, 56) at head_dim 128: 16 channels rotated
+  by time (frames; unused by FLUX.1) and the rest split between rows and columns. Scaled the
+  same way for smaller heads; for a head that does not split so, pass the axes."""
+  t = head_dim // 8
+  hw = (head_dim - t) // 2
+  if head_dim % 8 or hw % 2 or t + 2 * hw != head_dim:
+    raise ValueError(f"cannot derive the RoPE axes for head_dim={head_dim}; pass axes_dims_rope")
+  return (t, hw, hw)
 
 
 def apply_rope(x, rope):
@@ -230,22 +240,37 @@ def default_attention_implementation(dtype) -> Optional[str]:
   return None
 
 
-def project_qkv(x, heads: int, head_dim: int, names: Sequence[str], qk_norm: str = "per_head",
-                kv_input=None, eps: float = 1e-6, **kw):
-  """q, k, v [B, S, N, H] by the Linears `names[:3]` (k and v from `kv_input` when given: cross
-  attention), q and k RMS-normalised (`eps`) by `names[3:]`: per head (Flux, HunyuanVideo) or
-  across heads before the split (LTX-Video). Called inside a compact module, whose submodules
-  the projections become."""
-  kv_input = x if kv_input is None else kv_input
-  split = lambda t: t.reshape(*t.shape[:-1], heads, head_dim)
-  q, k, v = (Linear(heads * head_dim, name=n, **kw)(source)
-             for n, source in zip(names[:3], (x, kv_input, kv_input)))
-  norm_q, norm_k = (RMSNorm(eps=eps, name=n, **kw) for n in names[3:5])
+def projections(x, names: Sequence[str], widths: Sequence[int], **kw):
+  """x through one Linear per name, of the given output widths; or, one name, through one
+  fused Linear of their sum (Tencent's `img_attn_qkv`, `linear1`), split alike. Called inside a
+  compact module, whose submodules the Linears become."""
+  if len(names) == 1:
+    fused = Linear(sum(widths), name=names[0], **kw)(x)
+    return jnp.split(fused, np.cumsum(widths)[:-1].tolist(), axis=-1)
+  return [Linear(w, name=n, **kw)(x) for n, w in zip(names, widths)]
+
+
+def normed_heads(q, k, v, heads: int, norms: Sequence[str], qk_norm: str = "per_head",
+                 eps: float = 1e-6, **kw):
+  """q, k, v [B, S, heads * H] -> [B, S, heads, H], q and k RMS-normalised by the RMSNorms
+  `norms`: per head (Flux, HunyuanVideo) or across heads before the split (LTX-Video)."""
+  split = lambda t: t.reshape(*t.shape[:-1], heads, t.shape[-1] // heads)
+  norm_q, norm_k = (RMSNorm(eps=eps, name=n, **kw) for n in norms)
   if qk_norm == "per_head":
     return norm_q(split(q)), norm_k(split(k)), split(v)
   if qk_norm == "across_heads":
     return split(norm_q(q)), split(norm_k(k)), split(v)
   raise ValueError(f"qk_norm={qk_norm!r}; use 'per_head' or 'across_heads'")
+
+
+def project_qkv(x, heads: int, head_dim: int, names: Sequence[str], qk_norm: str = "per_head",
+                kv_input=None, eps: float = 1e-6, **kw):
+  """q, k, v [B, S, N, H] by the Linears `names[:3]` (k and v from `kv_input` when given: cross
+  attention), q and k RMS-normalised (`eps`) by `names[3:]` (`normed_heads`)."""
+  kv_input = x if kv_input is None else kv_input
+  q, k, v = (Linear(heads * head_dim, name=n, **kw)(source)
+             for n, source in zip(names[:3], (x, kv_input, kv_input)))
+  return normed_heads(q, k, v, heads, names[3:5], qk_norm, eps, **kw)
 
 
 def merge_heads(x):
@@ -254,17 +279,14 @@ def merge_heads(x):
 
 
 MAIN_NAMES = ("to_q", "to_k", "to_v", "norm_q", "norm_k")
-CONTEXT_NAMES = ("add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k")
 
 
 class SelfAttention(Module):
   """diffusers-style self-attention: `to_q/k/v`, q/k RMSNorm (`norm_q/k`), RoPE (if tables are
-  given: on the tokens they cover, the first ones) and the output projection `to_out.0` (absent
-  with `output=False`: single-stream blocks fuse it into their own). `mask` [B, S] masks
-  padded keys."""
+  given: on the tokens they cover, the first ones) and the output projection `to_out.0`.
+  `mask` [B, S] masks padded keys."""
   heads: int
   head_dim: int
-  output: bool = True
   qk_norm: str = "per_head"
   eps: float = 1e-6
   implementation: Optional[str] = None
@@ -276,41 +298,7 @@ class SelfAttention(Module):
     if rope is not None:
       q, k = apply_rope_to_prefix(q, rope), apply_rope_to_prefix(k, rope)
     out = merge_heads(attention(q, k, v, mask, self.implementation))
-    return Linear(x.shape[-1], name="to_out.0", **self.kw)(out) if self.output else out
-
-
-class JointAttention(Module):
-  """Attention over two streams with weights of their own (diffusers' joint attention): the
-  main stream x (`to_q/k/v`, `norm_q/k`, `to_out.0`) and the context (`add_{q,k,v}_proj`,
-  `norm_added_{q,k}`, `to_add_out`), joined along the sequence: context first (Flux) or last
-  (HunyuanVideo). RoPE tables cover the joined sequence, or the main stream only
-  (`rope_on_context=False`). `mask` [B, S_joined] masks padded keys. Returns (main, context)."""
-  heads: int
-  head_dim: int
-  context_first: bool = True
-  rope_on_context: bool = True
-  qk_norm: str = "per_head"
-  eps: float = 1e-6
-  implementation: Optional[str] = None
-
-  @nn.compact
-  def __call__(self, x, context, rope, mask=None):
-    kw = self.kw
-    main = project_qkv(x, self.heads, self.head_dim, MAIN_NAMES, self.qk_norm, eps=self.eps, **kw)
-    ctx = project_qkv(context, self.heads, self.head_dim, CONTEXT_NAMES, self.qk_norm, eps=self.eps,
-                      **kw)
-    if not self.rope_on_context:
-      main = (apply_rope(main[0], rope), apply_rope(main[1], rope), main[2])
-    order = (ctx, main) if self.context_first else (main, ctx)
-    q, k, v = (jnp.concatenate(p, axis=1) for p in zip(*order))
-    if self.rope_on_context:
-      q, k = apply_rope(q, rope), apply_rope(k, rope)
-    out = merge_heads(attention(q, k, v, mask, self.implementation))
-    n_ctx = context.shape[1]
-    ctx_out, out = (out[:, :n_ctx], out[:, n_ctx:]) if self.context_first else (
-        out[:, -n_ctx:], out[:, :-n_ctx])
-    return (Linear(x.shape[-1], name="to_out.0", **kw)(out),
-            Linear(context.shape[-1], name="to_add_out", **kw)(ctx_out))
+    return Linear(x.shape[-1], name="to_out.0", **self.kw)(out)
 
 
 class CrossAttention(Module):
@@ -338,3 +326,99 @@ def stacked_params(module: nn.Module, name: str, block: nn.Module, length: int, 
   init = lambda key: jax.vmap(lambda k: block.init(k, *example_args)["params"])(
       jax.random.split(key, length))
   return module.param(name, init)
+
+
+# ---- the double- and single-stream blocks of Flux and HunyuanVideo -------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamNames:
+  """Where one stream's weights are in a double-stream block, as module names (the family's
+  export names): its AdaLN modulation Linear, its q/k/v projection (three Linears, or one fused
+  Linear of the three), its q and k RMSNorms, its attention output, its MLP's two Linears."""
+  modulation: str
+  qkv: Tuple[str, ...]
+  norms: Tuple[str, str]
+  out: str
+  mlp: Tuple[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class SingleStreamNames:
+  """Where a single-stream block's weights are: its modulation, the projection of q, k, v and
+  the MLP's input (four Linears, or one fused), the q and k RMSNorms, and the Linear that takes
+  the attention and MLP outputs together."""
+  modulation: str
+  qkv_mlp: Tuple[str, ...]
+  norms: Tuple[str, str]
+  out: str
+
+
+def adaln_chunks(temb, chunks: int, name: str, **kw):
+  """`linear(silu(temb))` split into `chunks` [B, D] (an AdaLN-Zero modulation)."""
+  return jnp.split(Linear(chunks * temb.shape[-1], name=name, **kw)(nn.silu(temb)), chunks, axis=-1)
+
+
+class DoubleStreamBlock(Module):
+  """The double-stream block of Flux and HunyuanVideo (the same maths, their own names): image
+  and text streams with weights of their own, AdaLN-Zero modulated, one attention over both
+  with RoPE on the tokens its tables cover (the first ones) and padded text keys masked
+  (`mask` [B, S] over the joined sequence), then each stream's gated MLP. It takes and returns
+  the joined sequence, text first (Flux) or last (HunyuanVideo), so that every block of a model
+  carries one activation of one shape (as the pipeline needs)."""
+  heads: int
+  mlp_ratio: float
+  txt_len: int
+  img: StreamNames
+  txt: StreamNames
+  text_first: bool
+  attention_impl: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, rope, temb, mask=None):
+    n, dim, kw = self.txt_len, x.shape[-1], self.kw
+    img, txt = (x[:, n:], x[:, :n]) if self.text_first else (x[:, :-n], x[:, -n:])
+    mods, qkvs = [], []
+    for stream, names in ((img, self.img), (txt, self.txt)):
+      mods.append(adaln_chunks(temb, 6, names.modulation, **kw))
+      h = modulate(layer_norm(stream), mods[-1][0], mods[-1][1])
+      qkvs.append(normed_heads(*projections(h, names.qkv, (dim,) * 3, **kw), self.heads,
+                               names.norms, **kw))
+    streams = (1, 0) if self.text_first else (0, 1)
+    q, k, v = (jnp.concatenate([qkvs[i][j] for i in streams], axis=1) for j in range(3))
+    q, k = apply_rope_to_prefix(q, rope), apply_rope_to_prefix(k, rope)
+    out = merge_heads(attention(q, k, v, mask, self.attention_impl))
+    img_out, txt_out = (out[:, n:], out[:, :n]) if self.text_first else (out[:, :-n], out[:, -n:])
+    img = self._residual_mlp(img, img_out, mods[0], self.img)
+    txt = self._residual_mlp(txt, txt_out, mods[1], self.txt)
+    return jnp.concatenate([txt, img] if self.text_first else [img, txt], axis=1)
+
+  def _residual_mlp(self, x, attn_out, mod, names):
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod
+    dim, kw = x.shape[-1], self.kw
+    x = x + gate_msa[:, None] * Linear(dim, name=names.out, **kw)(attn_out)
+    h = Linear(int(dim * self.mlp_ratio), name=names.mlp[0], **kw)(
+        modulate(layer_norm(x), shift_mlp, scale_mlp))
+    return x + gate_mlp[:, None] * Linear(dim, name=names.mlp[1], **kw)(nn.gelu(h, approximate=True))
+
+
+class SingleStreamBlock(Module):
+  """The single-stream block of Flux and HunyuanVideo on the joined sequence: parallel
+  attention (RoPE on the tokens its tables cover, `mask` [B, S] over the keys) and GELU(tanh)
+  MLP branches from one modulated input, joined by one output Linear, gated."""
+  heads: int
+  mlp_ratio: float
+  names: SingleStreamNames
+  attention_impl: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, rope, temb, mask=None):
+    dim, kw, names = x.shape[-1], self.kw, self.names
+    shift, scale, gate = adaln_chunks(temb, 3, names.modulation, **kw)
+    h = modulate(layer_norm(x), shift, scale)
+    q, k, v, mlp = projections(h, names.qkv_mlp, (dim,) * 3 + (int(dim * self.mlp_ratio),), **kw)
+    q, k, v = normed_heads(q, k, v, self.heads, names.norms, **kw)
+    q, k = apply_rope_to_prefix(q, rope), apply_rope_to_prefix(k, rope)
+    attn = merge_heads(attention(q, k, v, mask, self.attention_impl))
+    out = Linear(dim, name=names.out, **kw)(jnp.concatenate([attn, nn.gelu(mlp, approximate=True)], -1))
+    return x + gate[:, None] * out

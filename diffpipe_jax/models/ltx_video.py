@@ -168,7 +168,7 @@ class Block(layers.Module):
   attention_impl: Optional[str] = None
 
   @nn.compact
-  def __call__(self, x, context, temb, context_mask, rope):
+  def __call__(self, x, rope, context, temb, context_mask):
     c, kw = self.cfg, self.kw
     table = self.param("scale_shift_table", nn.initializers.normal(c.inner_dim ** -0.5),
                        (6, c.inner_dim), self.param_dtype)
@@ -222,7 +222,7 @@ class LTXVideo(layers.Transformer):
 
     name, length, _ = block_stacks(c)[0]
     block = Block(c, self.attention_impl, parent=None, **kw)
-    params = layers.stacked_params(self, name, block, length, x, context, temb, mask, rope)
+    params = layers.stacked_params(self, name, block, length, x, rope, context, temb, mask)
     blocks = [stacks.Stack(name, block, length, params, self.get_variable("lora", name)
                            if self.has_variable("lora", name) else None)]
     key = self.make_rng("dropout") if self.lora_dropout > 0 else None
@@ -410,6 +410,7 @@ FAMILY = Family(
     type="ltx-video",
     diffusers_class="LTXVideoTransformer3DModel",
     config_from_diffusers=config_from_diffusers,
+    diffusers_rows=None,
     single_file=SingleFile(
         rows=SINGLE_FILE_TABLE,
         signature="patchify_proj.weight",  # tells a Lightricks LTX-Video file from others

@@ -190,7 +190,7 @@ def _run_segment(plan: Plan, segment: Segment, stack, x, per_sample, shared, val
   stage = jax.lax.axis_index("stage")
 
   def chunk(h, visit, m):  # this stage's layers of the visit, each rematerialised by `remat`
-    args = (*[a[m] for a in per_sample], *shared)
+    args = (*shared, *[a[m] for a in per_sample])
     return stacks_lib.run_chunk(stack, h, args, start=visit * k, count=k, valid=valid, remat=remat,
                                 key=None if key is None else jax.random.fold_in(key, m))
 

@@ -1,0 +1,42 @@
+"""HunyuanVideo LoRA training (text to video; images train as one-frame videos).
+
+  python main.py --config configs/hunyuan_video.py:tiny   # embedded tiny model and clips, CPU
+  python main.py --config configs/hunyuan_video.py --config.model.ckpt_path=/models/hunyuan/ckpts \
+      --config.dataset.path=/data/my_clips
+  python main.py --config configs/hunyuan_video.py \
+      --config.model.transformer_path=/models/hunyuan_video_720_cfgdistill_fp8_e4m3fn.safetensors \
+      --config.model.transformer_dtype=float8 --config.model.vae_path=... \
+      --config.model.llm_path=... --config.model.clip_path=... --config.blocks_to_swap=20
+
+Variants (the part after ':'): "" (bf16, rank 32) and "tiny" (a random tiny HunyuanVideo
+pipeline generated on first use, in diffusers' and Tencent's layouts, with a small synthetic
+set of captioned clips and images). Key names follow diffusion-pipe; the shared ones are in
+configs/common.py. Speed and memory per setting: BENCHMARKS.md.
+"""
+from configs import common
+from diffpipe_jax import tiny as tiny_defaults
+
+
+def get_config(arg=""):
+  c = common.base("hunyuan-video")
+  c.model.diffusers_path = ""  # a diffusers HunyuanVideo folder (transformer, VAE, both text encoders)
+  c.model.ckpt_path = ""  # or Tencent's folder: hunyuan-video-t2v-720p/, text_encoder/, text_encoder_2/
+  # or ComfyUI's files, each winning over the folders for its part: the transformer (bf16 or
+  # fp8_e4m3fn .safetensors, or Tencent's .pt), the VAE, the LLaMA and CLIP folders
+  c.model.transformer_path = ""
+  c.model.vae_path = ""
+  c.model.llm_path = ""
+  c.model.clip_path = ""
+  c.model.guidance = 1.0  # the guidance embedding's input while training (x 1000 inside)
+  c.dataset.resolutions = (512,)
+  c.dataset.frame_buckets = (1, 33)  # 1 + 4k frames: the VAE's temporal factor is 4
+  if arg == "tiny":
+    common.tiny(c)
+    c.dataset.path = tiny_defaults.VIDEOS
+    c.dataset.resolutions = (64,)
+    # at 24 fps and sides of 16 the tiny clips and images fill three buckets of four (64x64x17,
+    # 80x48x5, 80x48x1): 3 steps an epoch, as the other families' tiny runs
+    c.dataset.frame_buckets = (1, 5, 17)
+  elif arg:
+    raise ValueError(f"unknown configs/hunyuan_video.py variant {arg!r}; known: '', 'tiny'")
+  return c
