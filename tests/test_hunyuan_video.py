@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import diffusers_hidden_size
+from test_models import rel_err, torch_forward
 from diffpipe_jax import models, tiny
 from diffpipe_jax.convert import CheckpointError
 from diffpipe_jax.convert.tensorfile import write_safetensors
@@ -17,16 +18,6 @@ from diffpipe_jax.encoders import hunyuan_video as hv_torch
 from diffpipe_jax.models import hunyuan_video as hv
 
 LAYOUTS = ("diffusers", "official", "official_folder", "single_file", "single_file_prefixed")
-
-
-def rel_err(a, b):
-  return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
-
-
-def torch_forward(model, inputs):
-  with torch.no_grad():
-    return model(**{k: None if v is None else torch.from_numpy(v) for k, v in inputs.items()},
-                 return_dict=False)[0].numpy()
 
 
 @pytest.fixture(scope="module")
