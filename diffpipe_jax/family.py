@@ -21,6 +21,20 @@ MODELS = "diffpipe_jax.models"  # a family per module, but for the layers they s
 SHARED = ("layers",)
 
 
+def config_dataclass(cls, cfg: dict, fixed: Optional[dict] = None, why: str = ""):
+  """A family's config dataclass (diffusers' names) from a config.json dict: its fields by name,
+  other keys ignored, lists as tuples, `out_channels` defaulting to `in_channels` as diffusers
+  does. `fixed`: keys whose other values are not implemented (`why`), refused."""
+  unsupported = {k: cfg[k] for k, v in (fixed or {}).items() if k in cfg and cfg[k] != v}
+  if unsupported:
+    raise UserError(f"{cls.__name__} {unsupported} is not supported{why}; expected {fixed}")
+  kw = {f.name: cfg[f.name] for f in dataclasses.fields(cls) if f.name in cfg}
+  kw = {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
+  if "out_channels" in kw or "in_channels" in kw:
+    kw["out_channels"] = kw.get("out_channels") or kw.get("in_channels", cls.in_channels)
+  return cls(**kw)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SingleFile:
   """An original single-file layout (BFL's Flux, Lightricks' LTX, Tencent's HunyuanVideo): its

@@ -13,6 +13,7 @@ from diffpipe_jax.convert.tensorfile import common_prefix, read_header, write_sa
 from diffpipe_jax.encoders import Encoders, default_device, folder_files
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import TorchSide
+from diffpipe_jax.models.hunyuan_video import FAMILY, OFFICIAL_FILE, OFFICIAL_MODEL
 
 # Tencent's prompt templates (HunyuanVideo `hyvideo/constants.py`: `dit-llm-encode` for images,
 # `dit-llm-encode-video` for videos; diffusers has only the video one, DEFAULT_PROMPT_TEMPLATE).
@@ -33,11 +34,10 @@ SKIPPED_LAYERS = 2  # the text embeddings are the LLaMA's hidden states before i
 CLIP_TOKENS = 77
 
 # Tencent's official folder (diffusion-pipe's model.ckpt_path), relative to it.
-OFFICIAL_MODEL = "hunyuan-video-t2v-720p"
-OFFICIAL_TRANSFORMER = f"{OFFICIAL_MODEL}/transformers/mp_rank_00_model_states.pt"
+OFFICIAL_TRANSFORMER = f"{OFFICIAL_MODEL}/{OFFICIAL_FILE}"
 OFFICIAL_VAE = f"{OFFICIAL_MODEL}/vae"
 OFFICIAL_VAE_WEIGHTS = "pytorch_model.pt"
-PREFIX = "model.diffusion_model."  # of the transformer in ComfyUI's repackaged files
+PREFIX = FAMILY.single_file.prefixes[0]  # of the transformer in ComfyUI's repackaged files
 
 # Where each component is found, by the config key that says it, in precedence order: ComfyUI's
 # own files, then Tencent's folder, then a diffusers folder.

@@ -20,7 +20,7 @@ import numpy as np
 from diffpipe_jax import flow, stacks
 from diffpipe_jax.convert.table import Row
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.family import Family, SingleFile
+from diffpipe_jax.family import Family, SingleFile, config_dataclass
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
 from diffpipe_jax.rules import FLAG, TEXT, number
@@ -54,11 +54,7 @@ LORA_TARGETS = (r"transformer_blocks\..*", r"single_transformer_blocks\..*")
 
 
 def config_from_diffusers(cfg: dict) -> FluxConfig:
-  fields = {f.name for f in dataclasses.fields(FluxConfig)}
-  kw = {k: v for k, v in cfg.items() if k in fields}
-  kw["axes_dims_rope"] = tuple(kw.get("axes_dims_rope", FluxConfig.axes_dims_rope))
-  kw["out_channels"] = kw.get("out_channels") or kw.get("in_channels", FluxConfig.in_channels)
-  return FluxConfig(**kw)
+  return config_dataclass(FluxConfig, cfg)
 
 
 def config_from_single_file(shapes: dict, axes_dims_rope=None) -> FluxConfig:

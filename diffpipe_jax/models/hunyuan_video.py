@@ -23,7 +23,7 @@ from diffpipe_jax import flow, stacks
 from diffpipe_jax.convert import table
 from diffpipe_jax.convert.table import Row
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.family import Family, SingleFile
+from diffpipe_jax.family import Family, SingleFile, config_dataclass
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
 from diffpipe_jax.rules import TEXT, number
@@ -31,7 +31,8 @@ from diffpipe_jax.rules import TEXT, number
 GUIDANCE_SCALE = 1000.0  # the model takes guidance * 1000, as HunyuanVideoPipeline passes it
 TIMESTEP_SCALE = 1000.0  # and sigma * 1000
 REFINER_MLP_RATIO = 4.0  # fixed in diffusers and Tencent's code, whatever the config's mlp_ratio
-OFFICIAL_FILE = "transformers/mp_rank_00_model_states.pt"  # inside hunyuan-video-t2v-720p/
+OFFICIAL_MODEL = "hunyuan-video-t2v-720p"  # the transformer's folder in Tencent's ckpts/
+OFFICIAL_FILE = "transformers/mp_rank_00_model_states.pt"  # inside OFFICIAL_MODEL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +72,7 @@ LORA_TARGETS = (r"double_blocks\..*", r"single_blocks\..*")
 
 
 def config_from_diffusers(cfg: dict) -> HunyuanVideoConfig:
-  unsupported = {k: cfg[k] for k, v in FIXED.items() if k in cfg and cfg[k] != v}
-  if unsupported:
-    raise UserError(f"HunyuanVideo config {unsupported} is not supported (text to video only); "
-                    f"expected {FIXED}")
-  fields = {f.name for f in dataclasses.fields(HunyuanVideoConfig)}
-  kw = {k: v for k, v in cfg.items() if k in fields}
-  kw["rope_axes_dim"] = tuple(kw.get("rope_axes_dim", HunyuanVideoConfig.rope_axes_dim))
-  kw["out_channels"] = kw.get("out_channels") or kw.get("in_channels", HunyuanVideoConfig.in_channels)
-  return HunyuanVideoConfig(**kw)
+  return config_dataclass(HunyuanVideoConfig, cfg, FIXED, " (text to video only)")
 
 
 def config_from_single_file(shapes: dict, metadata: dict, axes_dims_rope=None) -> HunyuanVideoConfig:
@@ -407,7 +400,7 @@ FAMILY = Family(
         prefixes=("model.diffusion_model.", "diffusion_model."),  # ComfyUI's repackagings
         foreign=(),
         config=config_from_single_file,
-        locations=(OFFICIAL_FILE, "hunyuan-video-t2v-720p/" + OFFICIAL_FILE)),
+        locations=(OFFICIAL_FILE, f"{OFFICIAL_MODEL}/{OFFICIAL_FILE}")),
     checkpoint_path=checkpoint_path,
     config_rules=dict(diffusers_path=TEXT, ckpt_path=TEXT, transformer_path=TEXT, vae_path=TEXT,
                       llm_path=TEXT, clip_path=TEXT, guidance=number(0)),

@@ -359,6 +359,12 @@ def adaln_chunks(temb, chunks: int, name: str, **kw):
   return jnp.split(Linear(chunks * temb.shape[-1], name=name, **kw)(nn.silu(temb)), chunks, axis=-1)
 
 
+def rope_attention(q, k, v, rope, mask, implementation):
+  """The stream blocks' attention: RoPE on the tokens its tables cover, heads merged."""
+  q, k = apply_rope_to_prefix(q, rope), apply_rope_to_prefix(k, rope)
+  return merge_heads(attention(q, k, v, mask, implementation))
+
+
 class DoubleStreamBlock(Module):
   """The double-stream block of Flux and HunyuanVideo (the same maths, their own names): image
   and text streams with weights of their own, AdaLN-Zero modulated, one attention over both
@@ -386,8 +392,7 @@ class DoubleStreamBlock(Module):
                                names.norms, **kw))
     streams = (1, 0) if self.text_first else (0, 1)
     q, k, v = (jnp.concatenate([qkvs[i][j] for i in streams], axis=1) for j in range(3))
-    q, k = apply_rope_to_prefix(q, rope), apply_rope_to_prefix(k, rope)
-    out = merge_heads(attention(q, k, v, mask, self.attention_impl))
+    out = rope_attention(q, k, v, rope, mask, self.attention_impl)
     img_out, txt_out = (out[:, n:], out[:, :n]) if self.text_first else (out[:, :-n], out[:, -n:])
     img = self._residual_mlp(img, img_out, mods[0], self.img)
     txt = self._residual_mlp(txt, txt_out, mods[1], self.txt)
@@ -418,7 +423,6 @@ class SingleStreamBlock(Module):
     h = modulate(layer_norm(x), shift, scale)
     q, k, v, mlp = projections(h, names.qkv_mlp, (dim,) * 3 + (int(dim * self.mlp_ratio),), **kw)
     q, k, v = normed_heads(q, k, v, self.heads, names.norms, **kw)
-    q, k = apply_rope_to_prefix(q, rope), apply_rope_to_prefix(k, rope)
-    attn = merge_heads(attention(q, k, v, mask, self.attention_impl))
+    attn = rope_attention(q, k, v, rope, mask, self.attention_impl)
     out = Linear(dim, name=names.out, **kw)(jnp.concatenate([attn, nn.gelu(mlp, approximate=True)], -1))
     return x + gate[:, None] * out

@@ -25,7 +25,7 @@ import numpy as np
 from diffpipe_jax import flow, stacks
 from diffpipe_jax.convert.table import Row
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.family import Family, SingleFile
+from diffpipe_jax.family import Family, SingleFile, config_dataclass
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
 from diffpipe_jax.rules import PROBABILITY, TEXT, number
@@ -69,13 +69,7 @@ LORA_TARGETS = (r"transformer_blocks\..*",)
 
 
 def config_from_diffusers(cfg: dict) -> LTXVideoConfig:
-  unsupported = {k: cfg[k] for k, v in FIXED.items() if k in cfg and cfg[k] != v}
-  if unsupported:
-    raise UserError(f"LTX-Video config {unsupported} is not supported; expected {FIXED}")
-  fields = {f.name for f in dataclasses.fields(LTXVideoConfig)}
-  kw = {k: v for k, v in cfg.items() if k in fields}
-  kw["out_channels"] = kw.get("out_channels") or kw.get("in_channels", LTXVideoConfig.in_channels)
-  return LTXVideoConfig(**kw)
+  return config_dataclass(LTXVideoConfig, cfg, FIXED)
 
 
 def config_from_single_file(shapes: dict, metadata: dict, axes_dims_rope=None) -> LTXVideoConfig:
