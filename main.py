@@ -5,7 +5,6 @@
   python main.py --config configs/<family>.py:tiny --resume_from_checkpoint=20261130_18-00-00
   python main.py --config configs/<family>.py:tiny --cache_only [--regenerate_cache]
 """
-import re
 import sys
 
 import jax
@@ -13,6 +12,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from diffpipe_jax import train
+from diffpipe_jax.cli import parse_flags
 from diffpipe_jax.errors import UserError
 
 config_flags.DEFINE_config_file("config", None, "configs/<family>.py file, optionally :variant",
@@ -43,22 +43,6 @@ def main(argv):
               regenerate_cache=FLAGS.regenerate_cache)
   except UserError as e:  # a user's mistake: one line; anything else is our bug, with its traceback
     sys.exit(f"error: {e}")
-
-
-def parse_flags(argv):
-  """absl's parsing, but an override of a config key that does not exist (ml_collections raises
-  a KeyError deep inside) is one line naming the flag, with its "did you mean"."""
-  try:
-    return app.parse_flags_with_usage(argv)
-  except (KeyError, AttributeError) as e:
-    missing = re.search(r"'(\w+)", str(e))
-    if missing is None:
-      raise
-    missing, hint = missing.group(1), re.search(r'Did you mean "(\w+)"', str(e))
-    flag = next((a.split("=")[0] for a in argv if a.startswith("--config.")
-                 and missing in a.split("=")[0].split(".")), "a --config override")
-    sys.exit(f"error: {flag}: the config has no key {missing!r}"
-             + (f'; did you mean "{hint.group(1)}"?' if hint else ""))
 
 
 def bare_resume_means_latest(argv):

@@ -261,13 +261,29 @@ def table(ours, peer, flop):
                   for row in rows]
 
 
-def main():
+def shape_arguments(frames: int) -> argparse.ArgumentParser:
+  """A parser with the shape's flags (`SHAPES`' arguments); `shape_defaults` fills them in."""
   p = argparse.ArgumentParser()
   p.add_argument("--model", choices=sorted(SHAPES), default="flux")
   p.add_argument("--res", type=int, help="height in pixels (default: flux 1024, video models 512)")
   p.add_argument("--width", type=int, default=0, help="width in pixels, video models (default: = res)")
-  p.add_argument("--frames", type=int, default=121, help="video frames, video models")
+  p.add_argument("--frames", type=int, default=frames, help="video frames, video models")
   p.add_argument("--txt", type=int, help="text tokens (default: flux 512, ltx-video 128, hunyuan-video 256)")
+  p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: tests the script")
+  return p
+
+
+def shape_defaults(a):
+  """The family's --res and --txt where not given; the smoke shape's sizes with --smoke."""
+  default_res, default_txt = DEFAULTS[a.model]
+  a.res, a.txt = a.res or default_res, a.txt or default_txt
+  if a.smoke:
+    a.res, a.width, a.frames, a.txt = 64, 0, 9, 8
+  return a
+
+
+def main():
+  p = shape_arguments(frames=121)
   p.add_argument("--rank", type=int, default=32)
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--peer", default="", help="path of the family's peer (peer_torch_flux.py, "
@@ -282,12 +298,9 @@ def main():
                  help="N blocks' frozen weights (single blocks first, spread evenly) in pinned host "
                       "memory (one stage only): one N for every mode, or one per mode, comma-separated")
   p.add_argument("--run", help=argparse.SUPPRESS)  # mode@layout@blocks_to_swap, in a subprocess of its own
-  p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: tests the script")
-  a = p.parse_args()
-  default_res, default_txt = DEFAULTS[a.model]
-  a.res, a.txt = a.res or default_res, a.txt or default_txt
+  a = shape_defaults(p.parse_args())
   if a.smoke:
-    a.res, a.width, a.frames, a.txt, a.steps, a.rank = 64, 0, 9, 8, 2, 4
+    a.steps, a.rank = 2, 4
   if a.run:
     print(json.dumps(run_mode(a, *a.run.split("@"))))
     return

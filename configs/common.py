@@ -79,6 +79,20 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.eval_every_n_steps = 0
   c.eval_every_n_epochs = 1
   c.eval_before_first_step = True
+
+  # Samples (diffpipe_jax.sample): each prompt drawn with the LoRA being trained, prompt i from
+  # noise of seed sample_seed + i every time, to <run>/samples/step<N>/ and TensorBoard. Off
+  # until prompts and an interval are set.
+  c.sample_prompts = ()  # prompts; an entry naming a .txt file stands for its lines
+  c.sample_every_n_epochs = 0
+  c.sample_every_n_steps = 0
+  c.sample_steps = 0  # 0: the family pipeline's default (Flux 28, the video families 50)
+  c.sample_guidance = -1.0  # < 0: the pipeline's default (Flux 3.5, LTX-Video 3, HunyuanVideo 6)
+  c.sample_height = 0  # pixels; 0: the first of dataset.resolutions
+  c.sample_width = 0
+  c.sample_frames = 1  # video families: 1 + k times the VAE's temporal factor
+  c.sample_seed = 0
+  c.sample_before_first_step = True  # step 0's samples are the base model's (the LoRA starts at 0)
   return c
 
 
@@ -114,4 +128,7 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.dataset.resolutions = (32,)
   c.caching_batch_size = 4
   c.eval_datasets.tiny_eval = dict(path=tiny_defaults.EVAL_IMAGES)
+  c.sample_prompts = ("a red pattern", "a blue pattern")
+  c.sample_every_n_epochs = 2
+  c.sample_steps = 4
   return c

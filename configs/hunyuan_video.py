@@ -30,6 +30,7 @@ def get_config(arg=""):
   c.model.guidance = 1.0  # the guidance embedding's input while training (x 1000 inside)
   c.dataset.resolutions = (512,)
   c.dataset.frame_buckets = (1, 33)  # 1 + 4k frames: the VAE's temporal factor is 4
+  c.sample_frames = 33
   if arg == "tiny":
     common.tiny(c)
     c.dataset.path = tiny_defaults.VIDEOS
@@ -37,6 +38,7 @@ def get_config(arg=""):
     # at 24 fps and sides of 16 the tiny clips and images fill three buckets of four (64x64x17,
     # 80x48x5, 80x48x1): 3 steps an epoch, as the other families' tiny runs
     c.dataset.frame_buckets = (1, 5, 17)
+    c.sample_frames = 5
   elif arg:
     raise ValueError(f"unknown configs/hunyuan_video.py variant {arg!r}; known: '', 'tiny'")
   return c

@@ -25,11 +25,13 @@ def get_config(arg=""):
   c.model.first_frame_conditioning_p = 0.0
   c.dataset.resolutions = (512,)
   c.dataset.frame_buckets = (1, 33, 65)  # 1 + 8k frames: the VAE's temporal factor is 8
+  c.sample_frames = 33
   if arg == "tiny":
     common.tiny(c)
     c.dataset.path = tiny_defaults.VIDEOS
     c.dataset.resolutions = (64,)
     c.dataset.frame_buckets = (1, 9, 17)
+    c.sample_frames = 9
     c.model.first_frame_conditioning_p = 0.5
   elif arg:
     raise ValueError(f"unknown configs/ltx_video.py variant {arg!r}; known: '', 'tiny'")

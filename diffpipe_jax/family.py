@@ -53,6 +53,23 @@ class SingleFile:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+  """How the family's diffusers pipeline samples (`diffpipe_jax.sample`): `scheduler(cfg)`, the
+  released FlowMatchEulerDiscreteScheduler config (a diffusers folder's own wins); its pipeline's
+  sigmas before the shift: N from 1 to 1/N (Flux, LTX-Video) or N + 1 from 1 to 0 without the
+  last (`to_zero`, HunyuanVideo); how guidance enters: "embedded" (the guidance embedding, as
+  `model.guidance` through `training_inputs`) or "cfg" (classifier-free, against the empty
+  prompt); the pipeline's default `steps` and `guidance`; `latent_shape(cfg, grid)`: one
+  sample's latents for a latent grid (the encoders' `latent_grid`)."""
+  scheduler: Callable
+  to_zero: bool
+  guidance_mode: str
+  steps: int
+  guidance: float
+  latent_shape: Callable
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Family:
   """One model family. `cfg` below is the family's model config (its `config_from_diffusers`);
   `model_config` the trainer config's `model` section."""
@@ -84,6 +101,7 @@ class Family:
   # [B, L], loss mask [B, L] or None): a family that trains on partly clean latents (LTX-Video's
   # first-frame conditioning); None: none
   condition: Optional[Callable]
+  sampling: Sampling
   torch_side: str  # the module of its `TorchSide`
 
 

@@ -9,6 +9,7 @@ the base weights, behind the family's `lora_prefix`.
 """
 import json
 import os
+import re
 import shutil
 from typing import Mapping, Sequence
 
@@ -127,3 +128,49 @@ def load(path: str, abstract_lora, family: Family):
   files = TensorFiles([path])
   return from_torch({k: files[k] for k in files.keys()}, abstract_lora, family.stacked,
                     family.lora_prefix)
+
+
+def read(path: str, abstract_params, family: Family):
+  """Any LoRA file in our export format (ours, or one a user downloaded), whatever its targets
+  and rank: the modules it holds become the targets. A PEFT `adapter_config.json` beside it with
+  a `lora_alpha` other than the rank scales B by alpha / rank, as PEFT applies it."""
+  folder = path if os.path.isdir(path) else os.path.dirname(path)
+  path = os.path.join(path, WEIGHTS_NAME) if os.path.isdir(path) else path
+  files = TensorFiles([path])
+  tensors = {k: files[k] for k in files.keys()}
+  prefix, stacked = family.lora_prefix, "|".join(map(re.escape, family.stacked))
+  names = {k[len(prefix):].rsplit(".lora_", 1)[0] for k in tensors if k.startswith(prefix)}
+  if not names:
+    raise CheckpointError(f"{path} holds no {prefix}*.lora_A/B weights: not a {family.type} LoRA "
+                          "in the diffusers/PEFT format")
+  patterns = sorted({re.escape(re.sub(rf"^({stacked})\.\d+\.", r"\1.", n)) for n in names})
+  ranks = sorted({v.shape[0] for k, v in tensors.items() if k.endswith(".lora_A.weight")})
+  if len(ranks) != 1:
+    raise CheckpointError(f"{path} mixes LoRA ranks {ranks}; one rank per file is supported")
+  abstract = jax.eval_shape(lambda: init(abstract_params, patterns, ranks[0], jnp.float32, jax.random.key(0)))
+  adapter = from_torch(tensors, abstract, family.stacked, prefix)
+  config_path = os.path.join(folder, "adapter_config.json")
+  if os.path.isfile(config_path):
+    with open(config_path) as f:
+      alpha = json.load(f).get("lora_alpha", ranks[0])
+    adapter = scaled(adapter, alpha / ranks[0])
+  return adapter
+
+
+def scaled(adapter, scale: float):
+  """The adapter whose update is `scale` times this one's (B scaled)."""
+  return {k: scaled(v, scale) if isinstance(v, dict) else v * scale if k == "lora_B" else v
+          for k, v in adapter.items()}
+
+
+def combine(adapters: Sequence[dict]):
+  """Several adapters as one whose update is their sum: per module, A and B concatenated along
+  the rank (a module that only some adapters hold gets only theirs)."""
+  flat = [table.flatten(a) for a in adapters]
+  modules = sorted({path[:-1] for f in flat for path in f})
+  out = {}
+  for m in modules:
+    held = [f for f in flat if m + ("lora_A",) in f]
+    out[m + ("lora_A",)] = jnp.concatenate([f[m + ("lora_A",)] for f in held], axis=-1)
+    out[m + ("lora_B",)] = jnp.concatenate([f[m + ("lora_B",)] for f in held], axis=-2)
+  return table.unflatten(out)

@@ -12,6 +12,7 @@ import math
 import os
 import tomllib
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional
 
 import av
@@ -174,6 +175,41 @@ def scan_directory(path: str, caption_prefix: str = "", mask_path: Optional[str]
   if not items:
     raise MediaError(f"none of the {len(files)} media files in {path!r} could be read")
   return items
+
+
+def write_video(path, frames, fps):
+  """Encodes uint8 frames [F, H, W, 3] at `fps` with PyAV: H.264 (MPEG-4 part 2 without x264)
+  for .mp4, VP9 (VP8) for .webm; bit-exact, so the same frames always give the same file (the
+  cache keys files by content). x264 gets a constant quantiser: with its default rate control
+  the same frames encoded differently once a VP9 encode had run in the process."""
+  mp4 = str(path).endswith(".mp4")
+  codec = next(c for c in (("libx264", "mpeg4") if mp4 else ("libvpx-vp9", "libvpx"))
+               if c in av.codecs_available)
+  options = {"threads": "1", **({"qp": "20"} if codec == "libx264" else {})}
+  with av.open(str(path), "w", options={"fflags": "+bitexact"}) as container:
+    stream = container.add_stream(codec, rate=fps, options=options)
+    stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+    stream.codec_context.flags |= av.codec.context.Flags.bitexact
+    for k, pixels in enumerate(frames):
+      frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+      frame.pts, frame.time_base = k, Fraction(1, fps)
+      container.mux(stream.encode(frame))
+    container.mux(stream.encode())
+  return path
+
+
+def write_media(path, pixels, fps=24):
+  """Pixels [F, H, W, 3] in [-1, 1] -> `path`: a PNG of one frame, else an MP4 at `fps`, written
+  under a temporary name and renamed into place."""
+  frames = np.round((np.clip(pixels, -1, 1) + 1) * 127.5).astype(np.uint8)
+  stem, ext = os.path.splitext(path)
+  tmp = f"{stem}.tmp{ext}"
+  if len(frames) == 1:
+    Image.fromarray(frames[0]).save(tmp, format="PNG")
+  else:
+    write_video(tmp, frames, fps)
+  os.replace(tmp, path)
+  return path
 
 
 def frames_at_fps(item: Item, fps: Optional[float] = None) -> int:

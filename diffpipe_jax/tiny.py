@@ -9,6 +9,8 @@ import os
 
 import numpy as np
 
+from diffpipe_jax import media
+
 # Where `generate_tiny` writes the embedded default, and only there: a user's path that does not
 # exist is an error, never a place to write random data into.
 ROOT = "runs/tiny"
@@ -138,29 +140,6 @@ def write_caption(folder, stem, caption):
     f.write(caption)
 
 
-def write_video(path, frames, fps):
-  """Encodes uint8 frames [F, H, W, 3] at `fps` with PyAV: H.264 (MPEG-4 part 2 without x264)
-  for .mp4, VP9 (VP8) for .webm; bit-exact, so the same frames always give the same file (the
-  cache keys files by content). x264 gets a constant quantiser: with its default rate control
-  the same frames encoded differently once a VP9 encode had run in the process."""
-  import av
-  from fractions import Fraction
-  mp4 = str(path).endswith(".mp4")
-  codec = next(c for c in (("libx264", "mpeg4") if mp4 else ("libvpx-vp9", "libvpx"))
-               if c in av.codecs_available)
-  options = {"threads": "1", **({"qp": "20"} if codec == "libx264" else {})}
-  with av.open(str(path), "w", options={"fflags": "+bitexact"}) as container:
-    stream = container.add_stream(codec, rate=fps, options=options)
-    stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-    stream.codec_context.flags |= av.codec.context.Flags.bitexact
-    for k, pixels in enumerate(frames):
-      frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
-      frame.pts, frame.time_base = k, Fraction(1, fps)
-      container.mux(stream.encode(frame))
-    container.mux(stream.encode())
-  return path
-
-
 def write_image_dataset(folder, num_images=12, sizes=((40, 40), (56, 32), (32, 56))):
   """Captioned synthetic images (smooth colour fields of a few aspect ratios) with same-stem
   .txt captions: the embedded default's dataset. Returns folder."""
@@ -177,7 +156,7 @@ def write_video_dataset(folder, clips=VIDEO_CLIPS, image_sizes=VIDEO_SET_IMAGES)
   same-stem .txt captions: the embedded default's dataset of the video families. Returns folder."""
   os.makedirs(folder, exist_ok=True)
   for i, (ext, w, h, frames, fps) in enumerate(clips):
-    write_video(os.path.join(folder, f"clip{i:03d}.{ext}"),
+    media.write_video(os.path.join(folder, f"clip{i:03d}.{ext}"),
                 np.stack([pattern(i, w, h, t) for t in range(frames)]), fps)
     write_caption(folder, f"clip{i:03d}", f"a {COLOURS[i % len(COLOURS)]} pattern drifting, "
                                           f"clip {i}")

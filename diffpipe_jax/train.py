@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
-from diffpipe_jax import checkpoint, data, errors, lora, media, models, optim, sharding, tiny, validate
+from diffpipe_jax import checkpoint, data, errors, lora, media, models, optim, sample, sharding, tiny, validate
 from diffpipe_jax import family as family_lib
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.files import atomic_write
@@ -58,6 +58,11 @@ class MetricWriter:
                 **{k: float(v) for k, v in scalars.items()})
     self.jsonl.write(json.dumps(line) + "\n")
     self.jsonl.flush()
+
+  def image(self, step: int, name: str, pixels):
+    """An image [H, W, 3] uint8 to TensorBoard."""
+    if self.enabled:
+      self.board.add_image(name, pixels, step, dataformats="HWC")
 
   def close(self):
     if self.enabled:
@@ -117,20 +122,28 @@ def prepare_paths(config, family) -> str:
   return path
 
 
-def cache_datasets(config, family, regenerate, build=True):
-  """Caches the training and eval datasets (the family's PyTorch encoders, loaded when something
-  needs encoding and released afterwards); with build=False, opens the caches another process
-  built."""
+def cache_datasets(config, family, encoders, regenerate, build=True):
+  """Caches the training and eval datasets (the family's PyTorch `encoders` load when something
+  needs encoding); with build=False, opens the caches another process built."""
   train_settings = data.dataset_settings(config.dataset)
   settings = {"train": train_settings, **{name: dataclasses.replace(train_settings, directories=(
       media.DirectorySettings(path=e.path),)) for name, e in config.eval_datasets.items()}}
   if not build:
     return {name: data.open_cached_dataset(s, family.type) for name, s in settings.items()}
-  encoders = family_lib.torch_side(family).load_encoders(config.model)
-  cached = {name: data.cache_dataset(s, family.type, encoders, config.caching_batch_size, regenerate)
-            for name, s in settings.items()}
-  encoders.release()
-  return cached
+  return {name: data.cache_dataset(s, family.type, encoders, config.caching_batch_size, regenerate)
+          for name, s in settings.items()}
+
+
+def sampling_on(config) -> bool:
+  return bool(config.sample_prompts) and bool(config.sample_every_n_epochs or config.sample_every_n_steps)
+
+
+def encode_sample_prompts(config, family, encoders):
+  """The sample prompts at the sample size, encoded once (kept in output_dir/.sample_prompts/, beside
+  the runs, for the next run, a resume and the other processes)."""
+  return sample.encode_prompts(family, encoders, sample.prompt_lines(config.sample_prompts),
+                               *sample.size(config),
+                               cache_dir=os.path.join(config.output_dir, ".sample_prompts"))
 
 
 def from_process_0(text: str) -> str:
@@ -226,13 +239,21 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
 
   # ---------------------------------------------------------------- data (cached once)
   # Process 0 writes the tiny default and the caches (a shared filesystem); the others wait for
-  # it, then read them.
+  # it, then read them. The encoders load their models only when something needs encoding (and
+  # for samples the VAE alone, when decoding).
   path = prepare_paths(config, family) if is_main_process else None
-  cached = cache_datasets(config, family, regenerate_cache) if is_main_process else None
+  encoders = family_lib.torch_side(family).load_encoders(config.model)
+  cached = prompts = None
+  if is_main_process:
+    cached = cache_datasets(config, family, encoders, regenerate_cache)
+    prompts = encode_sample_prompts(config, family, encoders) if sampling_on(config) else None
+    encoders.release()
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("datasets cached")
     path = path or prepare_paths(config, family)
-    cached = cached or cache_datasets(config, family, regenerate_cache, build=False)
+    cached = cached or cache_datasets(config, family, encoders, regenerate_cache, build=False)
+    if sampling_on(config) and prompts is None:
+      prompts = encode_sample_prompts(config, family, encoders)  # process 0's, read back
   micro, accum = config.micro_batch_size_per_gpu * data_parallel, config.gradient_accumulation_steps
   global_batch = micro * accum
   dataset = data.Batches(cached.pop("train"), global_batch, config.seed, family.position_ids,
@@ -314,6 +335,25 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
                            **{f"{name}/loss_quantile_{q:.2f}": v for q, v in zip(EVAL_QUANTILES, losses)}})
       print(f"eval {name} at step {step}: loss {losses.mean():.4f}")
 
+  sample_steps, sample_guidance = sample.defaults(family, config)
+  sample_step = prompts and sample.step_fn(model, config.model, sample_guidance, layout.pipeline,
+                                           layout.unrolled)
+
+  def run_samples(step):
+    """Each sample prompt drawn with the LoRA as it is, to <run>/samples/step<N>/ (process 0)."""
+    latents = sample.draw(model, params, state["lora"], config.model, prompts, sample_steps,
+                          sample_guidance, config.sample_seed, rows=data_parallel,
+                          step=sample_step, place=functools.partial(sharding.whole_rows, mesh))
+    if is_main_process:
+      folder = os.path.join(run_dir, "samples", f"step{step}")
+      with space_for(f"the samples in {folder}"):
+        written = sample.write(encoders, latents, prompts, [os.path.join(folder, f"{i:02d}") for i in
+                                                            range(len(prompts.texts))],
+                               encoders.frame_rate or 24)
+      for i, (_, pixels) in enumerate(written):
+        metrics.image(step, f"samples/{i:02d}", sample.preview(pixels))
+      tqdm.write(f"samples at step {step}: {folder}")
+
   def last_good_checkpoint():
     latest = ckpt.latest_step()
     return ("none yet" if latest is None else
@@ -351,6 +391,8 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   epoch_losses, first_losses, warned = [], [], set()
   if evals and config.eval_before_first_step and step == 0:
     run_evals(0)
+  if prompts is not None and config.sample_before_first_step and step == 0:
+    run_samples(0)  # the base model (the LoRA starts at zero): what the samples are compared with
   bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
   batch_iter, iter_epoch, schedule, compiled = None, None, None, set()
   stop = StopRequests()
@@ -406,6 +448,9 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
       if evals and (every(step, config.eval_every_n_steps) or (
           end_of_epoch and every(epoch + 1, config.eval_every_n_epochs))):
         run_evals(step)
+      if prompts is not None and (every(step, config.sample_every_n_steps) or (
+          end_of_epoch and every(epoch + 1, config.sample_every_n_epochs))):
+        run_samples(step)
       due = every(step, config.checkpoint_every_n_steps) or (
           time.time() - last_checkpoint_time > 60 * config.checkpoint_every_n_minutes)
       if jax.process_count() > 1:  # every process must take part in a save: process 0's clock decides

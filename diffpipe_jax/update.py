@@ -5,7 +5,6 @@ unrolled, as programs per block (`programs`). Pure JAX: `train.run` drives it, a
 benchmarks run it without the data stack.
 """
 import concurrent.futures
-import dataclasses
 import functools
 
 import jax
@@ -173,7 +172,6 @@ def make_eval(model, config, layout):
 def eval_losses(adapter, params, batch, key, *, model, config, pipeline=None):
   """Losses at the fixed timestep quantiles, with noise fixed by `key` (a [Q] array); through
   the pipeline as a single microbatch when there is one."""
-  run = stacks.run_stacks if pipeline is None else dataclasses.replace(
-      pipeline, plan=dataclasses.replace(pipeline.plan, microbatches=1)).run
+  run = stacks.run_stacks if pipeline is None else pipeline.single_microbatch().run
   return jnp.stack([loss_fn(adapter, params, batch, key, model=model, config=config, quantile=q,
                             run_stacks=run) for q in EVAL_QUANTILES])

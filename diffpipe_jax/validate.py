@@ -70,6 +70,17 @@ RULES = {
     "eval_every_n_steps": integer(0),
     "eval_every_n_epochs": integer(0),
     "eval_before_first_step": FLAG,
+    "sample_prompts": Rule("a list of prompts (or .txt files of a prompt a line)",
+                           lambda v: isinstance(v, (tuple, list)) and all(isinstance(p, str) for p in v)),
+    "sample_every_n_epochs": integer(0),
+    "sample_every_n_steps": integer(0),
+    "sample_steps": integer(0),
+    "sample_guidance": number(-1),
+    "sample_height": integer(0),
+    "sample_width": integer(0),
+    "sample_frames": integer(1),
+    "sample_seed": integer(0),
+    "sample_before_first_step": FLAG,
 }
 
 # The dataset section also takes the rest of diffusion-pipe's dataset keys (media.py checks them).

@@ -1,6 +1,7 @@
 """Run in its own process with 8 fake CPU devices (see test_sharding.py), for a family's tiny
-model (`multidevice_check.py <model type> <checkpoint>`): on every (data, stage) layout the loss
-and LoRA gradients of a step, and a short training run, equal one device's.
+model (`multidevice_check.py <model type> <checkpoint> <layouts>`, layouts such as
+"2x1,1x2,8x1u": data x stages, u for unrolled layers): on every layout the loss and LoRA
+gradients of a step, and a short training run, equal one device's.
 
 The tiny models' stacks are a few blocks deep (Flux: 2 double and 3 single blocks), so 2, 4 and
 8 stages split unevenly and carry padding layers."""
@@ -17,9 +18,11 @@ import numpy as np  # noqa: E402
 from conftest import family_config  # noqa: E402
 from diffpipe_jax import family as family_lib, lora, models, optim, sharding, update  # noqa: E402
 
-# (data, stage, unrolled): data parallel, unrolled (every stacked leaf stored per layer),
-# pipelines of 2, 4 (with data parallelism) and 8 stages
-LAYOUTS = ((2, 1, False), (8, 1, True), (1, 2, False), (2, 4, False), (1, 8, False))
+
+def parse_layouts(text):
+  """"2x1,8x1u" -> ((2, 1, False), (8, 1, True)): (data, stage, unrolled) each."""
+  return tuple((int(data), int(stage.rstrip("u")), stage.endswith("u"))
+               for data, stage in (layout.split("x") for layout in text.split(",")))
 
 
 UPDATE_COMPILES = []  # the threads that compiled an optimizer update
@@ -61,12 +64,12 @@ def run(fam, path, config, data, stages, unrolled=False, steps=3, accum=4):
   return float(loss0), jax.device_get(plain(grads0)), losses, jax.device_get(plain(state["lora"])), layout
 
 
-def main(model_type, path):
+def main(model_type, path, layouts):
   assert len(jax.devices()) == 8
   fam, config = family_lib.get(model_type), family_config(model_type)
   rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
   ref_loss, ref_grads, ref_losses, ref_lora, _ = run(fam, path, config, 1, 1)
-  for data, stages, unrolled in LAYOUTS:
+  for data, stages, unrolled in parse_layouts(layouts):
     loss, grads, losses, adapter, layout = run(fam, path, config, data, stages, unrolled)
     if layout.plan is not None:
       print(layout.plan.describe())

@@ -131,3 +131,16 @@ def test_trace_summary_counts_overlapping_gpu_work_once(tmp_path):
                         str(tmp_path)], check=True, stdout=subprocess.PIPE, text=True).stdout
   assert "GPU busy 0.8 ms of 1.0 ms traced (80%); 3 device events" in out, out
   assert "| matmul | 0.6 | 75.0% |" in out and "| loop_add_fusion_N | 2 | 0.3 | 37.5% |" in out, out
+
+
+def test_sample_benchmark_smoke():
+  """Ours and the diffusers pipeline on LTX-Video's smoke shape (classifier-free guidance: the
+  pipeline's negative prompt arguments), one table."""
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sample_steps.py"), "--smoke",
+                        "--model", "ltx-video", "--steps", "3", "--guidance", "3", "--unrolled"],
+                       env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+  assert out.startswith("LTX-Video, smoke shape") and "3 sampling steps, guidance 3, ours unrolled" in out, out
+  rows = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.startswith("| ")][1:]
+  assert [r[1] for r in rows] == ["diffpipe-jax", "diffusers pipeline"], out
+  assert all(float(r[2]) > 0 for r in rows), out

@@ -123,5 +123,5 @@ def test_encoders_load_inside_the_cache_bar_without_bars_of_their_own(family_pip
   bars would nest in it, writing cursor-up escape codes into the log."""
   cache.build_cache(str(tmp_path), make_items(2), load_encoders(*family_pipeline), batch_size=2)
   said = capsys.readouterr()
-  assert "loading the encoders" in said.out + said.err and "caching" in said.err
+  assert "loading the VAE" in said.out + said.err and "caching" in said.err
   assert "\x1b[" not in said.out + said.err

@@ -1,4 +1,5 @@
 """Datasets end to end: scan -> buckets -> cache -> bucketed, seeded, resumable batches."""
+import glob
 import logging
 import os
 import re
@@ -105,7 +106,9 @@ def test_cache_only_with_a_diffusion_pipe_toml(tmp_path, name):
   assert out.returncode == 0, out.stdout
   assert "cached; exiting" in out.stdout
   assert os.path.isfile(os.path.join(images, "cache", name, "manifest.json"))
-  assert not os.path.exists(tmp_path / "out")  # caching alone starts no run
+  # caching alone starts no run (it caches the sample prompts too, in out/.sample_prompts/)
+  assert not glob.glob(str(tmp_path / "out" / "*"))
+  assert len(glob.glob(str(tmp_path / "out" / ".sample_prompts" / "*.npz"))) == 1
 
 
 def test_tiny_images_are_warned_about_once_per_directory(tmp_path, caplog):

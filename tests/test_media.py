@@ -21,7 +21,7 @@ def _image(path, w, h, colour=(200, 30, 30), seed=0):
 
 def write_grey_ramp_video(path, frames=24, fps=24, w=64, h=48):
   """Frame k is a flat grey of value 10k, so a decoded frame tells which source frame it was."""
-  tiny.write_video(path, np.stack([np.full((h, w, 3), 10 * k, np.uint8) for k in range(frames)]),
+  media.write_video(path, np.stack([np.full((h, w, 3), 10 * k, np.uint8) for k in range(frames)]),
                    fps)
 
 

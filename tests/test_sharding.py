@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import FAMILIES
+from conftest import FAMILIES, MACHINERY_FAMILY
 from diffpipe_jax import sharding
 from diffpipe_jax.models import flux
 from diffpipe_jax.sharding import pipeline
@@ -18,8 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_layout_matches_one_device(tiny_models, name):
+  """Data parallelism and pipelines of 2, 4 (with data parallelism) and 8 stages for every family;
+  unrolled layers over 8 data-parallel devices (the same program split for every family) for the
+  machinery's family."""
+  layouts = "2x1,1x2,2x4,1x8" + (",8x1u" if name == MACHINERY_FAMILY else "")
   out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "multidevice_check.py"), name,
-                        tiny_models(name)["layouts"]["diffusers"]],
+                        tiny_models(name)["layouts"]["diffusers"], layouts],
                        env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True)
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout

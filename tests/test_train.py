@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -21,23 +22,24 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from conftest import FAMILIES, diffusers_modules, family_config, load_lora_in_diffusers, xla_flags
+from conftest import (FAMILIES, MACHINERY_FAMILY, diffusers_modules, family_config, load_lora_in_diffusers,
+                      xla_flags)
 from diffpipe_jax import checkpoint, family as family_lib, lora, models, optim, sharding, stacks, train, update
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.convert import table
 from diffpipe_jax.stacks import host_layers, is_layer_arrays, swapped_stacks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The trainer's machinery around the step (signals, several processes, a resume's refusals,
-# config errors, a diverging run) is the same code for every family: it is tested on one, the
-# tiny model with videos and images that compiles fastest. What a family's model changes (its
-# stacks over stages, swapped blocks, its export) is tested for every family.
-MACHINERY_FAMILY = "ltx-video"
+
+
+# Samples (which the tiny variants draw every 2 epochs) are off in these runs, but where a test
+# looks at them: each run would compile and run the sampler too.
+NO_SAMPLES = {"sample_every_n_epochs": 0}
 
 
 def tiny_config(model_type, **overrides):
   config = family_config(model_type)
-  config.update_from_flattened_dict(overrides)
+  config.update_from_flattened_dict(NO_SAMPLES | overrides)
   return config
 
 
@@ -46,16 +48,21 @@ def config_file(model_type):
 
 
 def run_main(tmp_path, model_type, *args, output="out", devices=1, shared_compilation_cache=True):
-  """main.py on the family's tiny variant, its model and images generated under tmp_path;
-  compiled programs in the test session's cache (conftest.py), or else where the config says."""
+  """main.py on the family's tiny variant (without samples, unless `args` set them), its model
+  and images generated under tmp_path; compiled programs in the test session's cache
+  (conftest.py), or else where the config says."""
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(devices))
   if not shared_compilation_cache:
     del env["JAX_COMPILATION_CACHE_DIR"]
   return subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "--config",
                          config_file(model_type) + ":tiny", f"--config.output_dir={tmp_path}/{output}",
-                         *args],
+                         *no_samples(), *args],
                         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         text=True)
+
+
+def no_samples():
+  return [f"--config.{k}={v}" for k, v in NO_SAMPLES.items()]
 
 
 def trained_adapter(model, config, steps, samples=2):
@@ -154,30 +161,62 @@ def resume_refusals_are_one_line(tmp_path, name, run_a, run_b, args):
   assert not os.path.exists(tmp_path / "d")
 
 
+def samples_written_at(run_dir, steps, config):
+  """Each prompt's PNG (an image family) or MP4 and its prompt, at these steps only, and their
+  TensorBoard images."""
+  want = "png" if config.sample_frames == 1 else "mp4"
+  assert sorted(os.listdir(os.path.join(run_dir, "samples"))) == sorted(f"step{s}" for s in steps)
+  for step in steps:
+    files = sorted(os.listdir(os.path.join(run_dir, "samples", f"step{step}")))
+    assert files == sorted(f"{i:02d}.{ext}" for i in range(len(config.sample_prompts))
+                           for ext in (want, "txt")), files
+  images = [(v.tag, e.step) for e in board_events(run_dir) for v in e.summary.value if v.HasField("image")]
+  assert sorted(images) == sorted((f"samples/{i:02d}", s) for i in range(len(config.sample_prompts))
+                                  for s in steps), images
+
+
+def board_events(run_dir):
+  """The TensorBoard events of a run (its event files: TFRecords of Event protos)."""
+  from tensorboardX.proto.event_pb2 import Event
+  for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    at = 0
+    while at < len(data):
+      (length,) = struct.unpack("<Q", data[at:at + 8])
+      yield Event.FromString(data[at + 12:at + 12 + length])
+      at += 12 + length + 4
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_resume_gives_the_same_run(tmp_path, monkeypatch, name):
   args = ["--config.epochs=4", "--config.checkpoint_every_n_steps=2"]  # 3 steps an epoch
   # the full run in-process (the trainer is importable): its files under tmp_path
   monkeypatch.chdir(tmp_path)
+  # (with the tiny default's samples: every 2 epochs and before the first step; the runs compared
+  # with it draw none, so sampling leaves training as it was)
   run_a = train.run(tiny_config(name, **{"epochs": 4, "checkpoint_every_n_steps": 2,
-                                         "output_dir": str(tmp_path / "a")}))
+                                         "output_dir": str(tmp_path / "a"), "sample_every_n_epochs": 2}))
   fam = family_lib.get(name)
   # metrics.jsonl has the epochs' and the evals' losses beside the steps'
   assert [m["epoch"] for m in read_metrics(run_a, "train/epoch_loss")] == [1, 2, 3, 4]
   assert [m["step"] for m in read_metrics(run_a, "tiny_eval/loss")] == [0, 3, 6, 9, 12]
+  samples_written_at(run_a, [0, 6, 12], family_config(name))
   half = run_main(tmp_path, name, "--config.max_steps=5", *args, output="b")  # stops mid-epoch
   assert half.returncode == 0, half.stdout
   (run_b,) = glob.glob(str(tmp_path / "b" / "*"))
   if name == MACHINERY_FAMILY:
     resume_refusals_are_one_line(tmp_path, name, run_a, run_b, args)
-  # resumed with all but one of the blocks' weights in host memory (the last stack's first)
+  # resumed (the machinery's family: with all but one of the blocks' weights in host memory,
+  # the last stack's first; the others compile nothing new)
   path = fam.checkpoint_path(tiny_config(name).model)
   blocks = sum(length for _, length, _ in fam.stacks(models.checkpoint_config(name, path))) - 1
+  blocks = blocks if name == MACHINERY_FAMILY else 0
   resumed = run_main(tmp_path, name, "--resume_from_checkpoint", f"--config.blocks_to_swap={blocks}",
                      *args, output="b")
   assert resumed.returncode == 0, resumed.stdout
   assert "resumed" in resumed.stdout
-  assert swap_message(fam, path, blocks) in resumed.stdout, resumed.stdout
+  assert not blocks or swap_message(fam, path, blocks) in resumed.stdout, resumed.stdout
   losses_a = [m["train/loss"] for m in read_metrics(run_a)]
   losses_b = [m["train/loss"] for m in read_metrics(run_b)]
   assert len(losses_a) == len(losses_b) == 12
@@ -442,7 +481,9 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
 
 def test_two_processes_train_as_one_process_with_two_devices(tmp_path, name=MACHINERY_FAMILY):
   """A multi-host launch (2 processes, 1 CPU device each, gloo collectives) runs the same steps
-  as one process with 2 devices: process 0 caches and exports, both checkpoint into one run."""
+  as one process with 2 devices: process 0 caches and exports, both checkpoint into one run.
+  The launch also draws samples (each epoch), which process 0 alone writes; the losses show
+  that sampling leaves training as it was."""
   args = ["--config.epochs=2", "--config.micro_batch_size_per_gpu=1", "--config.checkpoint_every_n_steps=4"]
   reference = run_main(tmp_path, name, *args, output="one", devices=2)
   assert reference.returncode == 0, reference.stdout
@@ -453,7 +494,8 @@ def test_two_processes_train_as_one_process_with_two_devices(tmp_path, name=MACH
              JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
   procs = [subprocess.Popen(
       [sys.executable, os.path.join(ROOT, "main.py"), "--config", config_file(name) + ":tiny",
-       f"--config.output_dir={tmp_path}/two", *args, f"--coordinator_address=localhost:{port}",
+       f"--config.output_dir={tmp_path}/two", *args, "--config.sample_every_n_epochs=1",
+       f"--coordinator_address=localhost:{port}",
        "--num_processes=2", f"--process_id={i}"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True) for i in range(2)]
   outs = [p.communicate(timeout=600)[0] for p in procs]
@@ -463,6 +505,7 @@ def test_two_processes_train_as_one_process_with_two_devices(tmp_path, name=MACH
   np.testing.assert_allclose([m["train/loss"] for m in read_metrics(run_two)],
                              [m["train/loss"] for m in read_metrics(run_one)], rtol=1e-5)
   assert os.path.isdir(os.path.join(run_two, "global_step4")) and os.path.isdir(os.path.join(run_two, "epoch2"))
+  samples_written_at(run_two, [0, 3, 6], family_config(name))
 
 
 def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes_exactly(tmp_path, name=MACHINERY_FAMILY):
@@ -472,7 +515,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes_exa
   args = ["--config.epochs=4", "--config.checkpoint_every_n_steps=0"]
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(1))
   command = [sys.executable, os.path.join(ROOT, "main.py"), "--config", config_file(name) + ":tiny",
-             f"--config.output_dir={tmp_path}/out", *args]
+             f"--config.output_dir={tmp_path}/out", *no_samples(), *args]
   stopped_at = []
   for signum, resume in ((signal.SIGTERM, []), (signal.SIGINT, ["--resume_from_checkpoint"])):
     proc = subprocess.Popen(command + resume, env=env, cwd=tmp_path, stdout=subprocess.PIPE,

@@ -53,8 +53,9 @@ def folder_files(path):
 class Encoders:
   """One model family's frozen encoders, loaded on first use: a cache that is already complete
   never loads them. Subclasses set `components` (diffusers subfolder -> (attribute, class)) and
-  implement `load` (settings only), `load_models`, `encode_media` (np [B, F, H, W, 3] in
-  [-1, 1] -> latents), `encode_text` (captions, frames=1 -> {field: embeddings}; `frames`, the
+  implement `load` (settings only), `load_vae` (returns it), `load_text_encoders` (sets their
+  attributes), `encode_media` (np [B, F, H, W, 3] in [-1, 1] -> latents), `decode_media` (its
+  inverse: latents of a latent grid -> np [B, F, H, W, 3] in [-1, 1]), `encode_text` (captions, frames=1 -> {field: embeddings}; `frames`, the
   media's frame count, is for a family that prompts its text encoder differently for images
   and videos; the others ignore it), `latent_grid` and `pixel_multiple` (bucket sides are
   multiples of it). `encode_text` tallies the captions a token limit cuts (`count_truncated`);
@@ -70,9 +71,13 @@ class Encoders:
   def __getattr__(self, name):  # only reached while a component is not loaded yet
     if name in {attr for attr, _ in self.components.values()}:
       # above any open bar (the cache's, when it is the first use), not on its line
-      tqdm.write(f"loading the encoders from {self.path} ({self.device})")
+      what = "VAE" if name == "vae" else "text encoders"
+      tqdm.write(f"loading the {what} from {self.path} ({self.device})")
       with library_bars_off():
-        self.load_models()
+        if name == "vae":  # alone: decoding samples needs nothing else
+          self.vae = self.load_vae().to(self.device).eval()
+        else:
+          self.load_text_encoders()
       return self.__dict__[name]
     raise AttributeError(name)
 

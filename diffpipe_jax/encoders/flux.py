@@ -36,12 +36,14 @@ class FluxEncoders(Encoders):
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     return cls(path, device, dtype, dict(max_sequence_length=max_sequence_length))
 
-  def load_models(self):
+  def load_vae(self):
     from diffusers import AutoencoderKL
+    return AutoencoderKL.from_pretrained(os.path.join(self.path, "vae"), torch_dtype=self.dtype)
+
+  def load_text_encoders(self):
     from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
     sub = lambda name: os.path.join(self.path, name)
     model = lambda cls, name: cls.from_pretrained(sub(name), dtype=self.dtype).to(self.device).eval()
-    self.vae = AutoencoderKL.from_pretrained(sub("vae"), torch_dtype=self.dtype).to(self.device).eval()
     self.clip_tokenizer = CLIPTokenizer.from_pretrained(sub("tokenizer"))
     self.clip = model(CLIPTextModel, "text_encoder")
     self.t5_tokenizer = T5TokenizerFast.from_pretrained(sub("tokenizer_2"))
@@ -81,6 +83,19 @@ class FluxEncoders(Encoders):
       raise ValueError(f"Flux encodes images only, got {pixels.shape[1]} frames")
     x = torch.from_numpy(np.ascontiguousarray(pixels[:, 0].transpose(0, 3, 1, 2)))
     return self.encode_images(x).float().cpu().numpy()
+
+  def decode_media(self, latents, grid):
+    """Packed latents [B, rows * columns, 4C] of a latent grid -> np [B, 1, H, W, 3] in [-1, 1],
+    as FluxPipeline unpacks and decodes them."""
+    import torch
+    cfg, (rows, columns) = self.vae.config, grid
+    z = torch.from_numpy(np.array(latents, np.float32)).to(self.device, self.dtype)
+    b, _, c4 = z.shape
+    z = z.view(b, rows, columns, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    z = z.reshape(b, c4 // 4, 2 * rows, 2 * columns) / cfg.scaling_factor + cfg.shift_factor
+    with torch.no_grad():
+      pixels = self.vae.decode(z).sample
+    return pixels.clamp(-1, 1).float().cpu().numpy().transpose(0, 2, 3, 1)[:, None]
 
   def encode_text(self, captions, frames=1):
     """Captions -> dict(text=[B, T, D] T5 last hidden state, pooled=[B, D'] CLIP pooled output),

@@ -100,14 +100,16 @@ class HunyuanVideoEncoders(Encoders):
     return cls(used, device, dtype, dict(max_sequence_length=max_sequence_length), sources,
                read_vae_config(sources["vae"]))
 
-  def load_models(self):
-    from transformers import CLIPTextModel, CLIPTokenizer, LlamaModel, PreTrainedTokenizerFast
-    model = lambda cls, sub: cls.from_pretrained(self.sources[sub], dtype=self.dtype).to(
-        self.device).eval()
+  def load_vae(self):
     vae = load_vae(self.sources["vae"], self.vae_config, self.dtype)
     # diffusers' default, set so that it cannot change under us (see `encode_media`)
     vae.use_framewise_encoding, vae.use_tiling = True, False
-    self.vae = vae.to(self.device).eval()
+    return vae
+
+  def load_text_encoders(self):
+    from transformers import CLIPTextModel, CLIPTokenizer, LlamaModel, PreTrainedTokenizerFast
+    model = lambda cls, sub: cls.from_pretrained(self.sources[sub], dtype=self.dtype).to(
+        self.device).eval()
     # the tokenizer.json as written: transformers 5's LlamaTokenizerFast rebuilds a
     # sentencepiece-style pipeline that mangles LLaMA-3's byte-level tokens
     self.tokenizer = PreTrainedTokenizerFast.from_pretrained(self.sources["tokenizer"],
@@ -163,6 +165,15 @@ class HunyuanVideoEncoders(Encoders):
     with torch.no_grad():
       z = self.vae.encode(x.to(self.device, self.dtype)).latent_dist.mean
     return (z * self.vae.config.scaling_factor).float().cpu().numpy()
+
+  def decode_media(self, latents, grid):
+    """Latents [B, C, F', H', W'] -> np [B, F, H, W, 3] in [-1, 1], as HunyuanVideoPipeline
+    decodes them (frame-wise decoding on, its default)."""
+    import torch
+    z = torch.from_numpy(np.array(latents, np.float32)).to(self.device, self.dtype)
+    with torch.no_grad():
+      pixels = self.vae.decode(z / self.vae.config.scaling_factor).sample
+    return pixels.clamp(-1, 1).float().cpu().numpy().transpose(0, 2, 3, 4, 1)
 
   def encode_text(self, captions, frames=1):
     """Captions -> dict(text=[B, T, D] LLaMA hidden states, text_mask=[B, T] 1 = token,

@@ -49,9 +49,8 @@ class LTXVideoEncoders(Encoders):
     return cls(path, device, dtype, dict(max_sequence_length=max_sequence_length), frame_rate,
                vae_file)
 
-  def load_models(self):
+  def load_vae(self):
     from diffusers import AutoencoderKLLTXVideo
-    from transformers import T5EncoderModel, T5TokenizerFast
     if self.vae_file:  # the folder's vae/config.json says the architecture
       vae = AutoencoderKLLTXVideo.from_single_file(self.vae_file, config=self.path, subfolder="vae",
                                                    torch_dtype=self.dtype)
@@ -61,7 +60,10 @@ class LTXVideoEncoders(Encoders):
     # whole clips in one pass: tiled or frame-wise encoding blends tiles, which changes latents
     # (and diffusers gates frame-wise *encoding* on `use_framewise_decoding`)
     vae.use_tiling = vae.use_framewise_encoding = vae.use_framewise_decoding = False
-    self.vae = vae.to(self.device).eval()
+    return vae
+
+  def load_text_encoders(self):
+    from transformers import T5EncoderModel, T5TokenizerFast
     self.tokenizer = T5TokenizerFast.from_pretrained(os.path.join(self.path, "tokenizer"))
     self.t5 = T5EncoderModel.from_pretrained(os.path.join(self.path, "text_encoder"),
                                              dtype=self.dtype).to(self.device).eval()
@@ -113,6 +115,22 @@ class LTXVideoEncoders(Encoders):
     stats = lambda t: t.view(1, -1, 1, 1, 1).to(z.device, z.dtype)
     z = (z - stats(vae.latents_mean)) * vae.config.scaling_factor / stats(vae.latents_std)
     return z.permute(0, 2, 3, 4, 1).reshape(b, -1, z.shape[1]).float().cpu().numpy()
+
+  def decode_media(self, latents, grid):
+    """Latents [B, F'*H'*W', C] of a latent grid -> np [B, F, H, W, 3] in [-1, 1], as LTXPipeline
+    unpacks, denormalises and decodes them (a timestep-conditioned decoder at its default
+    decode_timestep 0, so no noise is mixed in)."""
+    import torch
+    vae = self.vae
+    z = torch.from_numpy(np.array(latents, np.float32)).to(self.device, self.dtype)
+    z = z.view(z.shape[0], *grid, -1).permute(0, 4, 1, 2, 3)
+    stats = lambda t: t.view(1, -1, 1, 1, 1).to(z.device, z.dtype)
+    z = z * stats(vae.latents_std) / vae.config.scaling_factor + stats(vae.latents_mean)
+    temb = (torch.zeros(z.shape[0], device=z.device, dtype=z.dtype)
+            if vae.config.timestep_conditioning else None)
+    with torch.no_grad():
+      pixels = vae.decode(z, temb).sample
+    return pixels.clamp(-1, 1).float().cpu().numpy().transpose(0, 2, 3, 4, 1)
 
   def encode_text(self, captions, frames=1):
     """Captions -> dict(text=[B, T, D] T5 last hidden state, text_mask=[B, T] 1 = token), as

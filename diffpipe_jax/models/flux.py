@@ -20,7 +20,7 @@ import numpy as np
 from diffpipe_jax import flow, stacks
 from diffpipe_jax.convert.table import Row
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.family import Family, SingleFile, config_dataclass
+from diffpipe_jax.family import Family, Sampling, SingleFile, config_dataclass
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
 from diffpipe_jax.rules import FLAG, TEXT, number
@@ -277,6 +277,16 @@ def random_inputs(cfg: FluxConfig, batch=1, height=4, width=4, txt_len=6, seed=0
       guidance=rng.uniform(1.0, 5.0, batch).astype(np.float32) if cfg.guidance_embeds else None)
 
 
+# FluxPipeline's: FLUX.1-dev's scheduler (resolution-dependent shift) and distilled guidance 3.5;
+# schnell's (no guidance embedding) has no shift
+DEV_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                     base_image_seq_len=256, max_image_seq_len=4096, shift=3.0)
+SAMPLING = Sampling(
+    scheduler=lambda cfg: DEV_SCHEDULER if cfg.guidance_embeds else dict(shift=1.0),
+    to_zero=False, guidance_mode="embedded", steps=28, guidance=3.5,
+    latent_shape=lambda cfg, grid: (grid[0] * grid[1], cfg.in_channels))
+
+
 FAMILY = Family(
     type="flux",
     diffusers_class="FluxTransformer2DModel",
@@ -305,5 +315,6 @@ FAMILY = Family(
     shift_timesteps=shift_timesteps,
     training_inputs=training_inputs,
     condition=None,
+    sampling=SAMPLING,
     torch_side="diffpipe_jax.encoders.flux",
 )

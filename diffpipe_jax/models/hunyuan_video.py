@@ -23,7 +23,7 @@ from diffpipe_jax import flow, stacks
 from diffpipe_jax.convert import table
 from diffpipe_jax.convert.table import Row
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.family import Family, SingleFile, config_dataclass
+from diffpipe_jax.family import Family, Sampling, SingleFile, config_dataclass
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
 from diffpipe_jax.rules import TEXT, number
@@ -389,6 +389,12 @@ def training_inputs(model_config, cfg: HunyuanVideoConfig, batch: dict, noisy, t
               guidance=guidance)
 
 
+# HunyuanVideoPipeline's: shift 7, sigmas to 0, distilled guidance 6 (x 1000)
+SAMPLING = Sampling(
+    scheduler=lambda cfg: dict(shift=7.0), to_zero=True, guidance_mode="embedded", steps=50,
+    guidance=6.0, latent_shape=lambda cfg, grid: (cfg.in_channels, *grid))
+
+
 FAMILY = Family(
     type="hunyuan-video",
     diffusers_class="HunyuanVideoTransformer3DModel",
@@ -418,5 +424,6 @@ FAMILY = Family(
     shift_timesteps=shift_timesteps,
     training_inputs=training_inputs,
     condition=None,
+    sampling=SAMPLING,
     torch_side="diffpipe_jax.encoders.hunyuan_video",
 )

@@ -25,7 +25,7 @@ import numpy as np
 from diffpipe_jax import flow, stacks
 from diffpipe_jax.convert.table import Row
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.family import Family, SingleFile, config_dataclass
+from diffpipe_jax.family import Family, Sampling, SingleFile, config_dataclass
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
 from diffpipe_jax.rules import PROBABILITY, TEXT, number
@@ -400,6 +400,14 @@ def condition(model_config, key, batch, noisy, t):
   return noisy, jnp.where(clean, 0.0, t[:, None]), (~clean).astype(jnp.float32)
 
 
+# LTXPipeline's: the released scheduler (REFERENCE-video.md), classifier-free guidance 3
+SAMPLING = Sampling(
+    scheduler=lambda cfg: dict(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                               base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1),
+    to_zero=False, guidance_mode="cfg", steps=50, guidance=3.0,
+    latent_shape=lambda cfg, grid: (grid[0] * grid[1] * grid[2], cfg.in_channels))
+
+
 FAMILY = Family(
     type="ltx-video",
     diffusers_class="LTXVideoTransformer3DModel",
@@ -429,5 +437,6 @@ FAMILY = Family(
     shift_timesteps=shift_timesteps,
     training_inputs=training_inputs,
     condition=condition,
+    sampling=SAMPLING,
     torch_side="diffpipe_jax.encoders.ltx_video",
 )

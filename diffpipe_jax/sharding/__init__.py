@@ -170,3 +170,10 @@ def global_batch(mesh: Mesh, local_batch, batch_axis: int = 1):
   (1 for [accumulation, micro batch, ...] stacks, 0 for a plain batch)."""
   sharding = NamedSharding(mesh, P(*[None] * batch_axis, "data"))
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
+
+
+def whole_rows(mesh: Mesh, batch):
+  """A batch that every process holds whole -> global arrays split over 'data' along axis 0
+  (the rows must divide by the data axis)."""
+  sharding = NamedSharding(mesh, P("data"))
+  return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda i: x[i]), batch)

@@ -152,6 +152,10 @@ class Pipeline:
   mesh: Mesh
   plan: Plan
 
+  def single_microbatch(self) -> "Pipeline":
+    """The same stages run on a batch that is one microbatch (evals, sampling)."""
+    return dataclasses.replace(self, plan=dataclasses.replace(self.plan, microbatches=1))
+
   def run(self, stacks: Sequence[stacks_lib.Stack], x, per_sample, shared, *, remat=None, key=None,
           unrolled=False):
     assert not unrolled, "a pipeline's chunks are scanned (stacks.remat_policy rejects unrolled)"

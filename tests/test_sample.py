@@ -1,0 +1,195 @@
+"""Sampling: each family's Euler sampler equals its diffusers pipeline (with a LoRA in both), and
+the sampling command runs end to end."""
+import contextlib
+import os
+
+import diffusers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from conftest import FAMILIES, diffusers_hidden_size, family_config, load_encoders
+from diffpipe_jax import family as family_lib, lora, models, sample
+
+# a size of a few latent tokens per family: (frames, height, width) in pixels
+SIZES = {"flux": (1, 32, 48), "ltx-video": (9, 64, 96), "hunyuan-video": (5, 32, 48)}
+PROMPTS = ["a red pattern, number 3", "blue"]
+
+
+def rel_err(a, b):
+  return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def tiny_model_config(name, folder):
+  model_config = family_config(name).model
+  model_config.diffusers_path = folder
+  return model_config
+
+
+@pytest.fixture(params=FAMILIES)
+def pipeline_folder(request, tiny_pipelines):
+  return request.param, tiny_pipelines(request.param)
+
+
+def test_sigmas_are_the_schedulers(pipeline_folder):
+  """Ours against FlowMatchEulerDiscreteScheduler.set_timesteps on the family's released config
+  (the tiny pipeline's scheduler may differ), at two sizes."""
+  name, folder = pipeline_folder
+  fam = family_lib.get(name)
+  cfg = models.checkpoint_config(name, fam.checkpoint_path(tiny_model_config(name, folder)))
+  released = fam.sampling.scheduler(cfg)
+  scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**released)
+  for steps, tokens in ((7, 300), (28, 4096)):
+    base = (np.linspace(1.0, 0.0, steps + 1)[:-1] if fam.sampling.to_zero
+            else np.linspace(1.0, 1 / steps, steps))
+    mu = ((tokens - released["base_image_seq_len"]) * (released["max_shift"] - released["base_shift"])
+          / (released["max_image_seq_len"] - released["base_image_seq_len"]) + released["base_shift"]
+          if released.get("use_dynamic_shifting") else None)
+    scheduler.set_timesteps(sigmas=base, mu=mu)
+    np.testing.assert_allclose(sample.sigmas(released, steps, tokens, fam.sampling.to_zero),
+                               scheduler.sigmas.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def pipeline_kwargs(fam, conditioning, uncond):
+  """Our cached text fields as the diffusers pipeline's prompt arguments."""
+  names = dict(text="prompt_embeds", pooled="pooled_prompt_embeds", text_mask="prompt_attention_mask")
+  kw = {names[k]: torch.from_numpy(np.asarray(v)) for k, v in conditioning.items() if k in names}
+  if fam.sampling.guidance_mode == "cfg":
+    n = len(PROMPTS)
+    kw |= {f"negative_{names[k]}": torch.from_numpy(np.repeat(v, n, 0)) for k, v in uncond.items()}
+  return kw
+
+
+def test_latents_equal_the_diffusers_pipeline_with_a_lora(pipeline_folder, tmp_path):
+  name, folder = pipeline_folder
+  fam = family_lib.get(name)
+  model_config = tiny_model_config(name, folder)
+  model = models.load(name, fam.checkpoint_path(model_config), progress=False)
+  encoders = load_encoders(name, folder)
+  frames, height, width = SIZES[name]
+  grid = encoders.latent_grid(frames, height, width)
+  conditioning = encoders.encode_text(PROMPTS, frames)
+  uncond = encoders.encode_text([""], frames)
+  if fam.position_ids is not None:
+    conditioning["position_ids"] = np.stack([fam.position_ids(grid)] * len(PROMPTS))
+  shape = fam.sampling.latent_shape(model.config, grid)
+  noise = np.random.default_rng(0).standard_normal((len(PROMPTS), *shape)).astype(np.float32)
+  adapter = lora.init(model.params, fam.lora_targets, 4, jnp.float32, jax.random.key(0))
+  leaves, tree = jax.tree.flatten(adapter)
+  adapter = jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(jax.random.key(i), x.shape)
+                                      for i, x in enumerate(leaves)])
+  steps, guidance = 4, 4.5
+  ours = sample.denoise(model, model.params, adapter, model_config, conditioning, noise, grid, steps,
+                        guidance, uncond=uncond)
+  base = sample.denoise(model, model.params, None, model_config, conditioning, noise, grid, steps,
+                        guidance, uncond=uncond)
+
+  pipe = getattr(diffusers, family_lib.torch_side(fam).pipeline).from_pretrained(folder)
+  width_hint = model.config.num_attention_heads * model.config.attention_head_dim
+  with diffusers_hidden_size(width_hint) if name == "hunyuan-video" else contextlib.nullcontext():
+    pipe.load_lora_weights(lora.save(adapter, str(tmp_path / "lora"), fam, 4, np.float32))
+  video = dict(num_frames=frames, frame_rate=model_config.frame_rate) if name == "ltx-video" else (
+      dict(num_frames=frames) if frames > 1 else {})
+  run = lambda output_type: pipe(
+      **pipeline_kwargs(fam, {k: v for k, v in conditioning.items() if k != "position_ids"}, uncond),
+      latents=torch.from_numpy(noise), height=height, width=width, num_inference_steps=steps,
+      guidance_scale=guidance, output_type=output_type, return_dict=False, **video)[0]
+  with torch.no_grad():
+    want = run("latent").numpy()
+  assert rel_err(ours, want) < 1e-4, rel_err(ours, want)
+  assert rel_err(base, want) > 1e-3  # the LoRA changes the samples
+  # decoded as the pipeline decodes: its [0, 1] pixels. LTX-Video's decoder adds fresh random
+  # noise inside its resnets (where it has `per_channel_scale`s), so both decode without it here.
+  for vae in (pipe.vae, encoders.vae):
+    for module in vae.modules():
+      if getattr(module, "per_channel_scale1", None) is not None:
+        module.per_channel_scale1 = module.per_channel_scale2 = None
+  with torch.no_grad():
+    pixels = np.asarray(run("np")).reshape(len(PROMPTS), frames, height, width, 3)
+  decoded = encoders.decode_media(want, grid)
+  assert decoded.shape == pixels.shape
+  np.testing.assert_allclose((decoded + 1) / 2, pixels, atol=2e-3)
+
+
+def randomised_adapter(params, fam, patterns, rank, seed):
+  adapter = lora.init(params, patterns, rank, jnp.float32, jax.random.key(seed))
+  leaves, tree = jax.tree.flatten(adapter)
+  return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(jax.random.key(seed + i), x.shape)
+                                   for i, x in enumerate(leaves)])
+
+
+def test_a_lora_file_is_read_with_its_own_targets_rank_and_alpha(tiny_models, tmp_path):
+  tiny = tiny_models("flux")
+  fam, model = tiny["family"], models.load("flux", tiny["layouts"]["diffusers"], progress=False)
+  part = randomised_adapter(model.params, fam, [r"transformer_blocks\.attn\.to_q",
+                                                r"single_transformer_blocks\.proj_out"], 3, 1)
+  path = lora.save(part, str(tmp_path / "part"), fam, 3, np.float32)
+  read = lora.read(path, model.params, fam)
+  assert jax.tree.structure(read) == jax.tree.structure(part)
+  for a, b in zip(jax.tree.leaves(read), jax.tree.leaves(part)):
+    np.testing.assert_array_equal(a, b)
+  # a PEFT config whose alpha is not the rank scales the update as PEFT does
+  config = tmp_path / "part" / "adapter_config.json"
+  config.write_text(config.read_text().replace('"lora_alpha": 3', '"lora_alpha": 6'))
+  doubled = lora.read(str(tmp_path / "part"), model.params, fam)
+  np.testing.assert_allclose(doubled["transformer_blocks"]["attn.to_q"]["lora_B"],
+                             2 * part["transformer_blocks"]["attn.to_q"]["lora_B"], rtol=1e-6)
+  with pytest.raises(ValueError, match="holds no transformer.*lora_A/B weights"):
+    lora.read(str(tiny["layouts"]["diffusers"] + "/transformer/diffusion_pytorch_model.safetensors"),
+              model.params, fam)
+
+
+def test_loras_combine_into_the_sum_of_their_updates(tiny_models):
+  tiny = tiny_models("flux")
+  fam, model = tiny["family"], models.load("flux", tiny["layouts"]["diffusers"], progress=False)
+  a = randomised_adapter(model.params, fam, fam.lora_targets, 4, 1)
+  b = randomised_adapter(model.params, fam, [r"transformer_blocks\.attn\.to_q"], 2, 7)
+  combined = lora.combine([lora.scaled(a, 0.5), b])
+  update = lambda adapter, m: adapter[m[0]][m[1]]["lora_A"] @ adapter[m[0]][m[1]]["lora_B"]
+  for m in (("transformer_blocks", "attn.to_q"), ("single_transformer_blocks", "proj_out")):
+    want = 0.5 * update(a, m) + (update(b, m) if m[1] in b.get(m[0], {}) else 0)
+    np.testing.assert_allclose(update(combined, m), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_sampling_command_draws_with_loras(tmp_path, tiny_models):
+  """`python -m diffpipe_jax.sample` on the tiny default: a PNG of the requested size; a LoRA at
+  scale 0 draws the base model, at 1 something else."""
+  import subprocess
+  import sys
+  from PIL import Image
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root)
+  config = os.path.join(root, "configs", "flux.py") + ":tiny"
+  tiny = tiny_models("flux")
+  model = models.load("flux", tiny["layouts"]["diffusers"], progress=False)
+  path = lora.save(randomised_adapter(model.params, tiny["family"], tiny["family"].lora_targets, 4, 3),
+                   str(tmp_path / "lora"), tiny["family"], 4, np.float32)
+  draw = lambda out, *loras: subprocess.run(
+      [sys.executable, "-m", "diffpipe_jax.sample", "--config", config, "--prompt", "a red pattern",
+       "--height", "24", "--width", "40", "--out", str(tmp_path / out),
+       *[f"--lora={value}" for value in loras]], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+  runs = {out: draw(out, *loras) for out, loras in
+          (("base.png", ()), ("zero.png", (f"{path}:0",)), ("one.png", (path,)))}
+  for out, run in runs.items():
+    assert run.returncode == 0 and f"wrote {tmp_path / out}" in run.stdout, run.stdout
+  pixels = {out: np.asarray(Image.open(tmp_path / out)) for out in runs}
+  assert pixels["base.png"].shape == (24, 40, 3)
+  np.testing.assert_array_equal(pixels["zero.png"], pixels["base.png"])
+  assert np.abs(pixels["one.png"].astype(int) - pixels["base.png"]).max() > 2
+  assert (tmp_path / "one.txt").read_text() == "a red pattern\n"
+  bad = draw("odd.png", "missing.safetensors")
+  assert bad.returncode != 0 and bad.stdout.strip().splitlines()[-1] == (
+      "error: --lora missing.safetensors does not exist"), bad.stdout
+
+
+def test_a_sample_size_the_vae_cannot_take_is_one_line():
+  import types
+  video = types.SimpleNamespace(pixel_multiple=16, frames_per_latent=4)
+  assert sample.checked_size(video, 33, 32, 48) == (33, 32, 48)
+  with pytest.raises(ValueError, match=r"^sample size: width 40 is not a multiple of 16; frames 6 is not 1 \+ 4k$"):
+    sample.checked_size(video, 6, 32, 40)
+  with pytest.raises(ValueError, match="this family draws images: frames must be 1, not 5"):
+    sample.checked_size(types.SimpleNamespace(pixel_multiple=16, frames_per_latent=None), 5, 32, 32)
