@@ -53,7 +53,7 @@ def ours(a):
   model_config = common.model(a.model)
   model_config.frame_rate = 25
   model_config.guidance = 1.0
-  step = sample.step_fn(model, model_config, a.guidance, unrolled=a.unrolled)  # compiled by the warm-up
+  step = sample.step_fn(model, model_config, a.guidance, split=a.unrolled)  # compiled by the warm-up
   run = lambda steps: jax.block_until_ready(sample.denoise(
       model, model.params, None, model_config, conditioning, noise, (tokens,), steps, a.guidance,
       uncond=uncond, step=step))

@@ -63,13 +63,13 @@ def sigmas(scheduler: dict, steps: int, tokens: int, to_zero: bool) -> np.ndarra
   return np.append(s.astype(np.float32), np.float32(0))
 
 
-def step_fn(model, model_config, guidance: float, pipeline=None, unrolled=False):
+def step_fn(model, model_config, guidance: float, pipeline=None, split=False):
   """(adapter, params, batch, x, sigma, sigma_next) -> x after one Euler step of the pipeline,
   in one program: the model's velocity at sigma with the adapter (None: the base model), with
   `guidance` embedded (`model.guidance`) or classifier-free (the batch holds the pipeline's
   [uncond, cond] rows; x the cond half's latents), then x + (sigma_next - sigma) v in float32.
-  In the training layout: through the pipeline as one microbatch, or split into programs per
-  block (`unrolled`)."""
+  In the training layout: through the pipeline as one microbatch, or (`split`, unrolled layers
+  only) as programs per block, which also copy swapped layers' weights to the device."""
   family = model.family
   run = stacks.run_stacks if pipeline is None else pipeline.single_microbatch().run
   cfg_mode = family.sampling.guidance_mode == "cfg"
@@ -87,7 +87,7 @@ def step_fn(model, model_config, guidance: float, pipeline=None, unrolled=False)
       uncond, cond = jnp.split(v, 2)
       v = uncond + guidance * (cond - uncond)
     return x + (sigma_next - sigma) * v
-  return programs.split(step) if unrolled else jax.jit(step)
+  return programs.split(step) if split else jax.jit(step)
 
 
 def denoise(model, params, adapter, model_config, conditioning: dict, noise, grid, steps: int,
@@ -110,6 +110,7 @@ def denoise(model, params, adapter, model_config, conditioning: dict, noise, gri
     conditioning = {k: np.concatenate([np.broadcast_to(uncond[k], (n, *v.shape[1:])) if k in uncond
                                        else v, v]) for k, v in conditioning.items()}
   batch, x = place((conditioning, np.asarray(noise, np.float32)))
+  schedule = [jnp.asarray(s) for s in schedule]  # on the device once, not a copy a step
   for i in range(steps):
     x = step(adapter, params, batch, x, schedule[i], schedule[i + 1])
     if progress is not None:
@@ -292,7 +293,7 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   stems = [os.path.splitext(out)[0]] if media_out else [os.path.join(out, f"{i:02d}") for i in range(len(texts))]
   with tqdm(total=steps * len(texts), desc="sampling", unit="step", dynamic_ncols=True) as bar:
     latents = draw(model, model.params, adapter and layout.to_stages(adapter), config.model, prompts,
-                   steps, guidance, seed, step=step_fn(model, config.model, guidance, unrolled=True),
+                   steps, guidance, seed, step=step_fn(model, config.model, guidance, split=True),
                    progress=lambda i: bar.update(1))
   written = write(encoders, latents, prompts, stems, encoders.frame_rate or 24)
   for path, _ in written:

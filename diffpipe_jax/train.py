@@ -337,7 +337,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
 
   sample_steps, sample_guidance = sample.defaults(family, config)
   sample_step = prompts and sample.step_fn(model, config.model, sample_guidance, layout.pipeline,
-                                           layout.unrolled)
+                                           split=layout.unrolled)
 
   def run_samples(step):
     """Each sample prompt drawn with the LoRA as it is, to <run>/samples/step<N>/ (process 0)."""

@@ -233,14 +233,18 @@ def test_resume_gives_the_same_run(tmp_path, monkeypatch, name):
                   output="c", devices=2)
   assert half.returncode == 0 and f"stage 1: {fam.stacked[0]} " in half.stdout, half.stdout
   # ... with the layers unrolled (every stacked leaf stored per layer; per-block remat), 2 of
-  # the last stack's blocks' weights in host memory
+  # the last stack's blocks' weights in host memory (the machinery's family also draws samples
+  # there: the sampler split into programs per block, its batch over the data axis)
+  samples = ["--config.sample_every_n_epochs=2"] if name == MACHINERY_FAMILY else []
   resumed = run_main(tmp_path, name, "--resume_from_checkpoint", "--config.micro_batch_size_per_gpu=1",
-                     "--config.unrolled=True", "--config.blocks_to_swap=2", *args,
+                     "--config.unrolled=True", "--config.blocks_to_swap=2", *samples, *args,
                      output="c", devices=2)
   assert resumed.returncode == 0 and "'data': 2" in resumed.stdout, resumed.stdout
   assert swap_message(fam, path, 2) in resumed.stdout, resumed.stdout
   (run_c,) = glob.glob(str(tmp_path / "c" / "*"))
   np.testing.assert_allclose([m["train/loss"] for m in read_metrics(run_c)], losses_a, rtol=1e-5)
+  if samples:
+    samples_written_at(run_c, [6, 12], family_config(name))
 
 
 def test_config_typo_is_a_clear_error(tmp_path, name=MACHINERY_FAMILY):
