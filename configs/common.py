@@ -86,8 +86,8 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.sample_prompts = ()  # prompts; an entry naming a .txt file stands for its lines
   c.sample_every_n_epochs = 0
   c.sample_every_n_steps = 0
-  c.sample_steps = 0  # 0: the family pipeline's default (Flux 28, the video families 50)
-  c.sample_guidance = -1.0  # < 0: the pipeline's default (Flux 3.5, LTX-Video 3, HunyuanVideo 6)
+  c.sample_steps = 0  # 0: the family's diffusers pipeline's default (its `Family.sampling`)
+  c.sample_guidance = -1.0  # < 0: likewise
   c.sample_height = 0  # pixels; 0: the first of dataset.resolutions
   c.sample_width = 0
   c.sample_frames = 1  # video families: 1 + k times the VAE's temporal factor

@@ -1,18 +1,18 @@
 """Samples from a base model with LoRAs: the flow-matching Euler sampler of each family's
 diffusers pipeline, in JAX, and the command that draws them.
 
-  python -m diffpipe_jax.sample --config configs/flux.py:tiny --lora runs/.../epoch4 \\
+  python -m diffpipe_jax.sample --config configs/<family>.py:tiny --lora runs/.../epoch4 \\
       --prompt "a red pattern" --out out.png
-  python -m diffpipe_jax.sample --config configs/hunyuan_video.py --lora a.safetensors:0.8 \\
-      --lora b.safetensors --prompt "..." --frames 33 --height 512 --width 512 --out clip.mp4
+  python -m diffpipe_jax.sample --config configs/<family>.py --lora a.safetensors:0.8 \\
+      --lora b.safetensors --prompt prompts.txt --frames 33 --height 512 --width 512 --out clips/
 
 Given the same initial noise, prompt embeddings, steps and guidance, the latents equal the
 family's diffusers pipeline's (tests/test_sample.py). The schedule is the pipeline's: sigmas
 shifted as its FlowMatchEulerDiscreteScheduler config says (the diffusers folder's own, else the
-released model's: `Family.sampling`), x <- x + (sigma_next - sigma) v in float32. Guidance is the
-model's guidance embedding (FLUX.1-dev, HunyuanVideo) or classifier-free against the empty
-prompt (LTX-Video). LoRAs are our exports or any file in that format (their targets and rank
-are read from the file), each at a scale; several act as one of the summed ranks.
+released model's: `Family.sampling`), x <- x + (sigma_next - sigma) v in float32. Guidance goes
+into the model's guidance embedding or is classifier-free against the empty prompt, as the
+family's pipeline does it. LoRAs are our exports or any file in that format (their targets and
+rank are read from the file), each at a scale; several act as one of the summed ranks.
 """
 import copy
 import dataclasses
