@@ -81,10 +81,10 @@ def test_latents_equal_the_diffusers_pipeline_with_a_lora(pipeline_folder, tmp_p
   adapter = jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(jax.random.key(i), x.shape)
                                       for i, x in enumerate(leaves)])
   steps, guidance = 4, 4.5
-  ours = sample.denoise(model, model.params, adapter, model_config, conditioning, noise, grid, steps,
-                        guidance, uncond=uncond)
-  base = sample.denoise(model, model.params, None, model_config, conditioning, noise, grid, steps,
-                        guidance, uncond=uncond)
+  step = sample.step_fn(model, model_config, guidance)  # compiled once: the base is B = 0
+  ours, base = (sample.denoise(model, model.params, a, model_config, conditioning, noise, grid, steps,
+                               guidance, uncond=uncond, step=step)
+                for a in (adapter, jax.tree.map(jnp.zeros_like, adapter)))
 
   pipe = getattr(diffusers, family_lib.torch_side(fam).pipeline).from_pretrained(folder)
   width_hint = model.config.num_attention_heads * model.config.attention_head_dim
@@ -153,36 +153,37 @@ def test_loras_combine_into_the_sum_of_their_updates(tiny_models):
     np.testing.assert_allclose(update(combined, m), want, rtol=1e-5, atol=1e-6)
 
 
-def test_the_sampling_command_draws_with_loras(tmp_path, tiny_models):
-  """`python -m diffpipe_jax.sample` on the tiny default: a PNG of the requested size; a LoRA at
-  scale 0 draws the base model, at 1 something else."""
+def test_the_sampling_command_draws_with_loras(tmp_path, tiny_models, monkeypatch):
+  """`python -m diffpipe_jax.sample` on the tiny default: a PNG of the requested size and its
+  prompt; in-process (`sample.run`, what the command calls), a LoRA at scale 0 draws the base
+  model, and a missing LoRA is a one-line error before anything loads."""
   import subprocess
   import sys
   from PIL import Image
+  from diffpipe_jax.errors import UserError
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=root)
-  config = os.path.join(root, "configs", "flux.py") + ":tiny"
   tiny = tiny_models("flux")
   model = models.load("flux", tiny["layouts"]["diffusers"], progress=False)
   path = lora.save(randomised_adapter(model.params, tiny["family"], tiny["family"].lora_targets, 4, 3),
                    str(tmp_path / "lora"), tiny["family"], 4, np.float32)
-  draw = lambda out, *loras: subprocess.run(
-      [sys.executable, "-m", "diffpipe_jax.sample", "--config", config, "--prompt", "a red pattern",
-       "--height", "24", "--width", "40", "--out", str(tmp_path / out),
-       *[f"--lora={value}" for value in loras]], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True)
-  runs = {out: draw(out, *loras) for out, loras in
-          (("base.png", ()), ("zero.png", (f"{path}:0",)), ("one.png", (path,)))}
-  for out, run in runs.items():
-    assert run.returncode == 0 and f"wrote {tmp_path / out}" in run.stdout, run.stdout
-  pixels = {out: np.asarray(Image.open(tmp_path / out)) for out in runs}
+  run = subprocess.run(
+      [sys.executable, "-m", "diffpipe_jax.sample", "--config", os.path.join(root, "configs", "flux.py:tiny"),
+       "--prompt", "a red pattern", "--height", "24", "--width", "40", "--out", str(tmp_path / "one.png"),
+       f"--lora={path}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  assert run.returncode == 0 and f"wrote {tmp_path / 'one.png'}" in run.stdout, run.stdout
+  assert (tmp_path / "one.txt").read_text() == "a red pattern\n"
+  monkeypatch.chdir(tmp_path)  # the tiny default's paths, as the command had them
+  config = family_config("flux")
+  draw = lambda out, *loras: sample.run(config, loras, ["a red pattern"], str(tmp_path / out), height=24,
+                                        width=40)
+  draw("base.png")
+  draw("zero.png", f"{path}:0")
+  pixels = {out: np.asarray(Image.open(tmp_path / out)) for out in ("base.png", "zero.png", "one.png")}
   assert pixels["base.png"].shape == (24, 40, 3)
   np.testing.assert_array_equal(pixels["zero.png"], pixels["base.png"])
   assert np.abs(pixels["one.png"].astype(int) - pixels["base.png"]).max() > 2
-  assert (tmp_path / "one.txt").read_text() == "a red pattern\n"
-  bad = draw("odd.png", "missing.safetensors")
-  assert bad.returncode != 0 and bad.stdout.strip().splitlines()[-1] == (
-      "error: --lora missing.safetensors does not exist"), bad.stdout
+  with pytest.raises(UserError, match="^--lora missing.safetensors does not exist$"):
+    draw("odd.png", "missing.safetensors")
 
 
 def test_a_sample_size_the_vae_cannot_take_is_one_line():

@@ -228,23 +228,29 @@ def test_resume_gives_the_same_run(tmp_path, monkeypatch, name):
   for k in final_a:
     np.testing.assert_allclose(final_b[k], final_a[k], rtol=1e-5, atol=1e-3 * np.abs(final_a[k]).max())
 
-  # Layouts: 5 steps on a 2-stage pipeline, resumed on 2 data-parallel devices (same global batch),
+  if name == MACHINERY_FAMILY:  # a family's own stacks over stages: tests/multidevice_check.py
+    resumes_across_layouts(tmp_path, name, args, losses_a)
+
+
+def resumes_across_layouts(tmp_path, name, args, losses_a):
+  """The run of `test_resume_gives_the_same_run` (its losses `losses_a`) again across layouts."""
+  fam = family_lib.get(name)
+  path = fam.checkpoint_path(tiny_config(name).model)
+  # 5 steps on a 2-stage pipeline, resumed on 2 data-parallel devices (same global batch),
   half = run_main(tmp_path, name, "--config.max_steps=5", "--config.pipeline_stages=2", *args,
                   output="c", devices=2)
   assert half.returncode == 0 and f"stage 1: {fam.stacked[0]} " in half.stdout, half.stdout
   # ... with the layers unrolled (every stacked leaf stored per layer; per-block remat), 2 of
-  # the last stack's blocks' weights in host memory (the machinery's family also draws samples
-  # there: the sampler split into programs per block, its batch over the data axis)
-  samples = ["--config.sample_every_n_epochs=2"] if name == MACHINERY_FAMILY else []
+  # the last stack's blocks' weights in host memory, drawing samples (the sampler split into
+  # programs per block, its batch over the data axis)
   resumed = run_main(tmp_path, name, "--resume_from_checkpoint", "--config.micro_batch_size_per_gpu=1",
-                     "--config.unrolled=True", "--config.blocks_to_swap=2", *samples, *args,
-                     output="c", devices=2)
+                     "--config.unrolled=True", "--config.blocks_to_swap=2", "--config.sample_every_n_epochs=2",
+                     *args, output="c", devices=2)
   assert resumed.returncode == 0 and "'data': 2" in resumed.stdout, resumed.stdout
   assert swap_message(fam, path, 2) in resumed.stdout, resumed.stdout
   (run_c,) = glob.glob(str(tmp_path / "c" / "*"))
   np.testing.assert_allclose([m["train/loss"] for m in read_metrics(run_c)], losses_a, rtol=1e-5)
-  if samples:
-    samples_written_at(run_c, [6, 12], family_config(name))
+  samples_written_at(run_c, [6, 12], family_config(name))
 
 
 def test_config_typo_is_a_clear_error(tmp_path, name=MACHINERY_FAMILY):
