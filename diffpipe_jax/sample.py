@@ -284,8 +284,8 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   encoders = family_lib.torch_side(family).load_encoders(config.model)
   f, h, w = size(config)
   prompts = encode_prompts(family, encoders, texts, frames or f, height or h, width or w)
-  steps, guidance = (steps or defaults(family, config)[0],
-                     defaults(family, config)[1] if guidance < 0 else guidance)
+  default_steps, default_guidance = defaults(family, config)
+  steps, guidance = steps or default_steps, default_guidance if guidance < 0 else guidance
   seed = config.sample_seed if seed is None else seed
   media_out = os.path.splitext(out)[1] in (".png", ".mp4")
   if media_out and len(texts) > 1:
