@@ -4,6 +4,7 @@ diffusion-pipe's names; a family's config adds its `model` section and its varia
 Speed and memory of the settings below, per family and GPU: BENCHMARKS.md.
 """
 import ml_collections
+from ml_collections import config_dict
 
 from diffpipe_jax import tiny as tiny_defaults
 
@@ -16,17 +17,28 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.generate_tiny = False  # write the tiny pipeline and images to their default paths if absent
   c.epochs = 100
   c.max_steps = 0  # stop after this many steps (0: run all epochs)
-  c.micro_batch_size_per_gpu = 1
+  # or ((resolution, batch), ...): per resolution, an area as in dataset.resolutions (a bucket
+  # takes the batch of its resolution; resolutions not listed: that of the largest listed below)
+  c.micro_batch_size_per_gpu = config_dict.FieldReference(1, field_type=object)
+  c.image_micro_batch_size_per_gpu = 0  # video families: the micro batch of images (0: as videos')
+  c.eval_micro_batch_size_per_gpu = 0  # 0: as micro_batch_size_per_gpu
+  c.eval_gradient_accumulation_steps = 1
   c.pipeline_stages = 1  # devices per pipeline; data parallel over the rest
+  # (): each block stack spread evenly over the stages; or the first layer of stages 1, 2, ...
+  # in diffusion-pipe's numbering of the model's layers (layer 0 its input embedding)
+  c.partition_split = ()
   c.gradient_accumulation_steps = 1
   c.gradient_clipping = 1.0  # global norm; 0 disables
   c.warmup_steps = 0
   c.lr_scheduler = "constant"  # constant | linear | cosine (after warm-up)
+  c.force_constant_lr = 0.0  # > 0: this learning rate throughout, resumed runs too (no warm-up)
   c.save_every_n_epochs = 1  # LoRA exports to epochN/
   c.save_every_n_steps = 0  # ... and stepN/ (0: off)
+  c.save_every_n_examples = 0  # ... and whenever this many more training examples were seen
   c.save_dtype = "bfloat16"
   c.checkpoint_every_n_minutes = 120  # resumable training state to global_stepN/
   c.checkpoint_every_n_steps = 0
+  c.checkpoint_every_n_epochs = 0
   c.checkpoints_to_keep = 3
   # "none": fastest, most memory; "block": remat each block; "block_save_dots": keep each
   # block's matmul outputs; "block_offload": "block" with each block's input kept in host
@@ -43,6 +55,13 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   # and are copied to the GPU beside the compute, forward and again backward (one stage only;
   # scanned, their stack is rematerialised block by block)
   c.blocks_to_swap = 0
+  c.disable_block_swap_for_eval = False  # evals with every weight on the device (faster, more memory)
+  # The loss: mean squared error of the velocity, or (one of these > 0) Huber with this delta or
+  # smooth L1 with this beta (torch's definitions)
+  c.huber_delta = 0.0
+  c.smooth_l1_beta = 0.0
+  c.uncond_fraction = 0.0  # the fraction of samples trained on the empty caption (caption dropout)
+  c.x_axis_examples = False  # TensorBoard's (and W&B's) x axis: examples seen instead of steps
 
   c.model = model(model_type)
 
@@ -51,7 +70,10 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.adapter.rank = 32
   c.adapter.dtype = "float32"
   c.adapter.dropout = 0.0
-  c.adapter.init_from_existing = ""  # a LoRA of ours (directory or .safetensors) to continue
+  c.adapter.init_from_existing = ""  # a LoRA to continue: ours, or a diffusion-pipe epoch/run folder
+  # Linear layers left without a LoRA: module names without block indices ("proj_out",
+  # "attn.to_q": the name or its ending), as PEFT's exclude_modules list
+  c.adapter.exclude_modules = ()
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.type = "adamw"
@@ -59,6 +81,12 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.optimizer.betas = (0.9, 0.99)
   c.optimizer.weight_decay = 0.01
   c.optimizer.eps = 1e-8
+
+  c.monitoring = ml_collections.ConfigDict()  # Weights & Biases beside TensorBoard (pip install wandb)
+  c.monitoring.enable_wandb = False
+  c.monitoring.wandb_api_key = ""  # "" : wandb's own login, or WANDB_MODE=offline
+  c.monitoring.wandb_tracker_name = ""  # the W&B project ("": diffpipe-jax)
+  c.monitoring.wandb_run_name = ""  # "": the run directory's name
 
   c.dataset = ml_collections.ConfigDict()  # diffusion-pipe's dataset keys
   c.dataset.path = ""  # a directory of images (and same-stem .txt captions)
@@ -78,6 +106,7 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.eval_datasets = ml_collections.ConfigDict()
   c.eval_every_n_steps = 0
   c.eval_every_n_epochs = 1
+  c.eval_every_n_examples = 0
   c.eval_before_first_step = True
 
   # Samples (diffpipe_jax.sample): each prompt drawn with the LoRA being trained, prompt i from
@@ -106,6 +135,8 @@ def model(model_type: str) -> ml_collections.ConfigDict:
   m.timestep_sample_method = "logit_normal"  # or uniform
   m.sigmoid_scale = 1.0
   m.shift = 1.0  # t' = s t / (1 + (s - 1) t); 1 is no shift
+  m.min_t = 0.0  # a drawn timestep t in [0, 1] becomes min_t + (max_t - min_t) t, before the shift
+  m.max_t = 1.0
   return m
 
 

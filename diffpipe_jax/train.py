@@ -13,13 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
 from diffpipe_jax import checkpoint, data, errors, lora, media, models, optim, sample, sharding, tiny, validate
+from diffpipe_jax.metrics import MetricWriter
 from diffpipe_jax import family as family_lib
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.files import atomic_write
 from diffpipe_jax.update import EVAL_QUANTILES, init_state, make_eval, make_step
 
 COMPILATION_CACHE_BYTES = 16 * 2**30  # beyond this, the least recently used programs go
@@ -29,45 +28,6 @@ DIVERGENCE_BASELINE_STEPS = 10  # a later loss ten times these steps' median war
 def every(step: int, n: int) -> bool:
   """Whether a periodic action set to every `n` (steps or epochs; 0: never) is due at `step`."""
   return bool(n) and step % n == 0
-
-
-class MetricWriter:
-  """Scalars to TensorBoard and, a line per write, to `metrics.jsonl` (machine-readable:
-  {"step": N, "train/loss": ..., ...}, the TensorBoard names); written by process 0 only. A
-  resumed run first drops what was logged past its checkpoint's step, so nothing repeats."""
-
-  def __init__(self, run_dir: str, enabled: bool, resumed_at: int | None = None):
-    self.enabled = enabled
-    if not enabled:
-      return
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if resumed_at is not None and os.path.exists(path):
-      with open(path) as f:
-        kept = [line for line in f if json.loads(line)["step"] <= resumed_at]
-      atomic_write(path, lambda f: f.write("".join(kept).encode()))
-    self.board = SummaryWriter(run_dir, purge_step=None if resumed_at is None else resumed_at + 1)
-    self.jsonl = open(path, "a")
-
-  def write(self, step: int, scalars: dict, epoch: int | None = None):
-    """Per-epoch scalars (`epoch` given) are plotted over epochs, as diffusion-pipe does."""
-    if not self.enabled:
-      return
-    for name, value in scalars.items():
-      self.board.add_scalar(name, float(value), step if epoch is None else epoch)
-    line = dict(step=step, **({} if epoch is None else {"epoch": epoch}),
-                **{k: float(v) for k, v in scalars.items()})
-    self.jsonl.write(json.dumps(line) + "\n")
-    self.jsonl.flush()
-
-  def image(self, step: int, name: str, pixels):
-    """An image [H, W, 3] uint8 to TensorBoard."""
-    if self.enabled:
-      self.board.add_image(name, pixels, step, dataformats="HWC")
-
-  def close(self):
-    if self.enabled:
-      self.board.close()
-      self.jsonl.close()
 
 
 class StopRequests:

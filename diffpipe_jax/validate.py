@@ -11,7 +11,7 @@ import os
 
 from diffpipe_jax import data, family as family_lib, flow, optim, stacks, tiny
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.rules import FLAG, TEXT, Rule, choice, integer, number, numbers
+from diffpipe_jax.rules import FLAG, PROBABILITY, TEXT, Rule, choice, integer, number, numbers
 
 DTYPES = ("float32", "bfloat16", "float16")
 TRANSFORMER_DTYPES = ("", "float8")
@@ -24,7 +24,24 @@ RULES = {
     "generate_tiny": FLAG,
     "epochs": integer(1),
     "max_steps": integer(0),
-    "micro_batch_size_per_gpu": integer(1),
+    "micro_batch_size_per_gpu": Rule(
+        "an integer >= 1, or a list of [resolution, batch] pairs of integers >= 1",
+        lambda v: integer(1).ok(v) or numbers(numbers(integer(1), length=2)).ok(v)),
+    "image_micro_batch_size_per_gpu": integer(0),
+    "eval_micro_batch_size_per_gpu": integer(0),
+    "eval_gradient_accumulation_steps": integer(1),
+    "partition_split": Rule("a list of increasing layer indices >= 1 (or empty)",
+                            lambda v: isinstance(v, (tuple, list)) and all(map(integer(1).ok, v))
+                            and list(v) == sorted(set(v))),
+    "force_constant_lr": number(0),
+    "save_every_n_examples": integer(0),
+    "checkpoint_every_n_epochs": integer(0),
+    "eval_every_n_examples": integer(0),
+    "disable_block_swap_for_eval": FLAG,
+    "huber_delta": number(0),
+    "smooth_l1_beta": number(0),
+    "uncond_fraction": PROBABILITY,
+    "x_axis_examples": FLAG,
     "pipeline_stages": integer(1),
     "gradient_accumulation_steps": integer(1),
     "gradient_clipping": number(0),
@@ -46,16 +63,24 @@ RULES = {
     "model.timestep_sample_method": choice(*flow.TIMESTEP_METHODS),
     "model.sigmoid_scale": number(0, above=True),
     "model.shift": number(0, above=True),
+    "model.min_t": PROBABILITY,
+    "model.max_t": PROBABILITY,
     "adapter.type": choice("lora"),
     "adapter.rank": integer(1),
     "adapter.dtype": choice("float32", "bfloat16"),
     "adapter.dropout": number(0, below=1),
     "adapter.init_from_existing": TEXT,
+    "adapter.exclude_modules": Rule("a list of module names", lambda v: isinstance(v, (tuple, list))
+                                    and all(isinstance(m, str) and m for m in v)),
     "optimizer.type": choice(*optim.OPTIMIZERS),
     "optimizer.lr": number(0, above=True),
     "optimizer.betas": numbers(number(0, below=1), length=2),
     "optimizer.weight_decay": number(0),
     "optimizer.eps": number(0, above=True),
+    "monitoring.enable_wandb": FLAG,
+    "monitoring.wandb_api_key": TEXT,
+    "monitoring.wandb_tracker_name": TEXT,
+    "monitoring.wandb_run_name": TEXT,
     "dataset.path": TEXT,
     "dataset.toml_path": TEXT,
     "dataset.resolutions": numbers(integer(1)),
@@ -126,6 +151,15 @@ def combination_problems(config) -> list:
                         pipelined=config.pipeline_stages > 1, swapped=config.blocks_to_swap > 0)
   except UserError as e:
     problems.append(str(e))
+  if config.model.min_t >= config.model.max_t:
+    problems.append(f"model.min_t={config.model.min_t} and model.max_t={config.model.max_t}: min_t "
+                    "must be below max_t")
+  if config.huber_delta and config.smooth_l1_beta:
+    problems.append(f"huber_delta={config.huber_delta} and smooth_l1_beta={config.smooth_l1_beta}: "
+                    "each picks the loss; set one")
+  if config.partition_split and len(config.partition_split) != config.pipeline_stages - 1:
+    problems.append(f"partition_split={list(config.partition_split)}: {config.pipeline_stages} "
+                    f"pipeline_stages need {config.pipeline_stages - 1} boundaries")
   if config.dataset.path and config.dataset.toml_path:
     problems.append(f"dataset.path={config.dataset.path!r} and dataset.toml_path="
                     f"{config.dataset.toml_path!r}: the TOML lists the directories; set only one")

@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 
 from conftest import (FAMILIES, MACHINERY_FAMILY, diffusers_modules, family_config, load_lora_in_diffusers,
                       xla_flags)
-from diffpipe_jax import checkpoint, family as family_lib, lora, models, optim, sharding, stacks, train, update
+from diffpipe_jax import checkpoint, family as family_lib, lora, metrics, models, optim, sharding, stacks, train, update
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.convert import table
 from diffpipe_jax.stacks import host_layers, is_layer_arrays, swapped_stacks
@@ -309,11 +309,11 @@ def test_divergence_is_a_zero_gradient_or_a_loss_ten_times_the_first_steps():
 
 
 def test_a_resumed_run_logs_each_step_once(tmp_path):
-  writer = train.MetricWriter(str(tmp_path), True)
+  writer = metrics.MetricWriter(str(tmp_path), True)
   for step in range(1, 6):  # steps 4 and 5 were logged after the checkpoint at step 3
     writer.write(step, {"train/loss": step})
   writer.close()
-  writer = train.MetricWriter(str(tmp_path), True, resumed_at=3)
+  writer = metrics.MetricWriter(str(tmp_path), True, resumed_at=3)
   writer.write(4, {"train/loss": 40.0})
   writer.close()
   assert [(m["step"], m["train/loss"]) for m in read_metrics(str(tmp_path))] == [
