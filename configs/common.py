@@ -18,14 +18,15 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.epochs = 100
   c.max_steps = 0  # stop after this many steps (0: run all epochs)
   # or ((resolution, batch), ...): per resolution, an area as in dataset.resolutions (a bucket
-  # takes the batch of its resolution; resolutions not listed: that of the largest listed below)
+  # takes the batch of the listed resolution nearest its own)
   c.micro_batch_size_per_gpu = config_dict.FieldReference(1, field_type=object)
   c.image_micro_batch_size_per_gpu = 0  # video families: the micro batch of images (0: as videos')
   c.eval_micro_batch_size_per_gpu = 0  # 0: as micro_batch_size_per_gpu
   c.eval_gradient_accumulation_steps = 1
   c.pipeline_stages = 1  # devices per pipeline; data parallel over the rest
   # (): each block stack spread evenly over the stages; or the first layer of stages 1, 2, ...
-  # in diffusion-pipe's numbering of the model's layers (layer 0 its input embedding)
+  # in diffusion-pipe's numbering of the model's layers (layer 0 its input embedding); every
+  # stage then stores as many layers of a stack as its fullest stage (README)
   c.partition_split = ()
   c.gradient_accumulation_steps = 1
   c.gradient_clipping = 1.0  # global norm; 0 disables
@@ -36,7 +37,7 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.save_every_n_steps = 0  # ... and stepN/ (0: off)
   c.save_every_n_examples = 0  # ... and whenever this many more training examples were seen
   c.save_dtype = "bfloat16"
-  c.checkpoint_every_n_minutes = 120  # resumable training state to global_stepN/
+  c.checkpoint_every_n_minutes = 120  # resumable training state to global_stepN/ (0: off)
   c.checkpoint_every_n_steps = 0
   c.checkpoint_every_n_epochs = 0
   c.checkpoints_to_keep = 3
@@ -76,6 +77,8 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.adapter.exclude_modules = ()
 
   c.optimizer = ml_collections.ConfigDict()
+  # adamw; adamw_optimi (with adapter.dtype bfloat16: Kahan summation, following float32
+  # weights); adamw8bit (moments in 8 bits); prodigy (estimates the lr: set lr 1.0); any case
   c.optimizer.type = "adamw"
   c.optimizer.lr = 2e-5
   c.optimizer.betas = (0.9, 0.99)
@@ -102,7 +105,8 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.dataset.caption_prefix = ""
   c.caching_batch_size = 1
 
-  # Eval: name -> dict(path=...), the dataset's bucket settings; loss at fixed t quantiles.
+  # Eval: name -> dict(path=...) (a folder, with the dataset's bucket settings) or
+  # dict(toml_path=...) (a dataset TOML); loss at fixed t quantiles.
   c.eval_datasets = ml_collections.ConfigDict()
   c.eval_every_n_steps = 0
   c.eval_every_n_epochs = 1
@@ -158,7 +162,7 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.dataset.path = tiny_defaults.IMAGES
   c.dataset.resolutions = (32,)
   c.caching_batch_size = 4
-  c.eval_datasets.tiny_eval = dict(path=tiny_defaults.EVAL_IMAGES)
+  c.eval_datasets.tiny_eval = dict(path=tiny_defaults.EVAL_IMAGES, toml_path="")  # a folder, not a TOML
   c.sample_prompts = ("a red pattern", "a blue pattern")
   c.sample_every_n_epochs = 2
   c.sample_steps = 4

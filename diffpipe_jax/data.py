@@ -131,12 +131,32 @@ Row = Tuple[int, int]  # (directory index, row in that directory's bucket)
 Batch = Tuple[tuple, List[Row]]  # (bucket, rows)
 
 
-class Batches:
-  """The bucketed, seeded batch schedule over cached directories, and the loading of a batch."""
+def micro_batch_sizes(micro_batch_size_per_gpu, image_micro_batch_size_per_gpu=0):
+  """bucket (width, height, frames) -> micro batch per device: diffusion-pipe's
+  `micro_batch_size_per_gpu`, an int or [[resolution, batch], ...] (a bucket takes the batch of
+  the listed resolution nearest its area's side), and `image_micro_batch_size_per_gpu` for
+  one-frame buckets when set."""
+  def size(bucket):
+    width, height, frames = bucket
+    if frames == 1 and image_micro_batch_size_per_gpu:
+      return image_micro_batch_size_per_gpu
+    if isinstance(micro_batch_size_per_gpu, int):
+      return micro_batch_size_per_gpu
+    side = np.sqrt(width * height)
+    return min(micro_batch_size_per_gpu, key=lambda rb: abs(np.log(rb[0] / side)))[1]
+  return size
 
-  def __init__(self, directories: Sequence[CachedDirectory], global_batch: int, seed: int,
-               position_ids, name="dataset", micro_batches=1):
-    self.directories, self.global_batch, self.seed = directories, global_batch, seed
+
+class Batches:
+  """The bucketed, seeded batch schedule over cached directories, and the loading of a batch.
+  `global_batch`: the batch of every bucket, or bucket -> its batch. With `uncond_fraction`, that
+  fraction of the samples (drawn from the seed and the batch's place) trains on the empty
+  caption's embeddings instead of theirs."""
+
+  def __init__(self, directories: Sequence[CachedDirectory], global_batch, seed: int,
+               position_ids, name="dataset", micro_batches=1, uncond_fraction=0.0):
+    self.directories, self.seed, self.uncond_fraction = directories, seed, uncond_fraction
+    self.batch_size = global_batch if callable(global_batch) else lambda bucket: global_batch
     self.micro_batches = micro_batches  # a global batch is this many consecutive micro-batches
     self.position_ids = position_ids  # latent grid -> position ids (the model family's), or None
     groups = {}
@@ -144,46 +164,60 @@ class Batches:
       for bucket, count in d.cache.buckets():
         rows = [(d_idx, r) for r in range(count)] * d.num_repeats
         groups.setdefault(tuple(bucket), []).extend(rows)
-    self.groups = {b: rows for b, rows in sorted(groups.items()) if len(rows) >= global_batch}
+    self.groups = {b: rows for b, rows in sorted(groups.items()) if len(rows) >= self.batch_size(b)}
     dropped = {b: len(rows) for b, rows in groups.items() if b not in self.groups}
-    counts = ", ".join(f"{w}x{h}x{f}: {len(rows)}" for (w, h, f), rows in sorted(groups.items()))
+    counts = ", ".join(f"{w}x{h}x{f}: {len(rows)} (batch {self.batch_size((w, h, f))})"
+                       for (w, h, f), rows in sorted(groups.items()))
     if not self.groups:
       raise UserError(
-          f"{name}: no bucket holds a full global batch of {global_batch} (micro batch x data "
-          f"parallel x accumulation); items per bucket (width x height x frames): {counts or 'none'}. "
+          f"{name}: no bucket holds a full global batch (micro batch x data parallel x "
+          f"accumulation); items per bucket (width x height x frames): {counts or 'none'}. "
           "Add images, raise num_repeats, use fewer resolutions/AR buckets, or lower the batch")
     if dropped:
-      logging.warning("%s: buckets smaller than one global batch (%d) are not used: %s", name,
-                      global_batch, dropped)
-    self.steps_per_epoch = sum(len(r) // global_batch for r in self.groups.values())
+      logging.warning("%s: buckets smaller than one global batch are not used: %s", name,
+                      {b: f"{n} < {self.batch_size(b)}" for b, n in dropped.items()})
+    full = {b: len(rows) // self.batch_size(b) for b, rows in self.groups.items()}
+    self.steps_per_epoch = sum(full.values())
+    self.examples_per_epoch = sum(n * self.batch_size(b) for b, n in full.items())
+
+  def examples_seen(self, step: int) -> int:
+    """Training examples in the first `step` batches (diffusion-pipe's `*_every_n_examples`)."""
+    epoch, index = divmod(step, self.steps_per_epoch)
+    return epoch * self.examples_per_epoch + sum(len(rows) for _, rows in self.epoch(epoch)[:index])
 
   def epoch(self, epoch: int) -> List[Batch]:
     rng = np.random.default_rng([self.seed, epoch])
     batches = []
     for bucket, rows in self.groups.items():
-      order = rng.permutation(len(rows))
-      n = len(rows) // self.global_batch * self.global_batch
-      batches += [(bucket, [rows[i] for i in order[s:s + self.global_batch]])
-                  for s in range(0, n, self.global_batch)]
+      order, size = rng.permutation(len(rows)), self.batch_size(bucket)
+      n = len(rows) // size * size
+      batches += [(bucket, [rows[i] for i in order[s:s + size]]) for s in range(0, n, size)]
     return [batches[i] for i in rng.permutation(len(batches))]
 
-  def load(self, batch: Batch, process_index=0, process_count=1) -> dict:
+  def load(self, batch: Batch, process_index=0, process_count=1, place=(0, 0)) -> dict:
     """This process's share of a global batch, as numpy arrays with a leading batch axis: its
     slice of each micro-batch, as a [micro-batches, micro batch] array split over 'data' lays
-    them out, so that every process count sees the same samples in the same places."""
+    them out, so that every process count sees the same samples in the same places. `place`:
+    (epoch, index) of the batch, which draws its caption dropout."""
     bucket, rows = batch
+    uncond = np.random.default_rng([self.seed, *place, 1]).random(len(rows)) < self.uncond_fraction
     per = len(rows) // self.micro_batches // process_count
-    rows = [row for m in range(self.micro_batches)
-            for row in rows[(m * process_count + process_index) * per:][:per]]
-    items = [self.directories[d].cache.get(bucket, r) for d, r in rows]
+    mine = [i for m in range(self.micro_batches)
+            for i in range(len(rows))[(m * process_count + process_index) * per:][:per]]
+    items = []
+    for i in mine:
+      directory, row = rows[i]
+      item = self.directories[directory].cache.get(bucket, row)
+      items.append({**item, **self.directories[directory].cache.empty_text()} if uncond[i] else item)
     out = {k: np.stack([it[k] for it in items]) for k in items[0]}  # every cached field
     if self.position_ids is not None:
       ids = self.position_ids(self.directories[rows[0][0]].cache.grid(bucket))
-      out["position_ids"] = np.broadcast_to(ids, (len(rows),) + ids.shape)
+      out["position_ids"] = np.broadcast_to(ids, (len(mine),) + ids.shape)
     return out
 
   def iterate(self, epoch: int, start: int = 0, process_index=0, process_count=1):
     """Batches `start`, `start + 1`, ... of `epoch`, loaded ahead by grain's threads."""
-    ds = grain.MapDataset.source(self.epoch(epoch))[start:].map(
-        lambda rows: self.load(rows, process_index, process_count))
+    placed = [(batch, (epoch, i)) for i, batch in enumerate(self.epoch(epoch))]
+    ds = grain.MapDataset.source(placed)[start:].map(
+        lambda b: self.load(b[0], process_index, process_count, place=b[1]))
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=2)))

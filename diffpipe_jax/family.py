@@ -85,6 +85,10 @@ class Family:
   make_module: Callable  # (cfg, dtype=, param_dtype=, attention_impl=, remat=, unrolled=) -> module
   stacks: Callable  # cfg -> ((stack name, layers, relative cost of a layer), ...), in order
   stacked: tuple  # the stacks' names (parameter subtrees with a leading layer axis)
+  # diffusion-pipe's pipeline layers that are no block, before each stack and after the last
+  # (len(stacks) + 1 counts: the input embedding, a join of two streams, the final layer): with
+  # the blocks, its numbering of the model's layers, which `partition_split` splits into stages
+  layers_around_stacks: tuple
   lora_targets: tuple  # full-match regexes over module names: the Linears that get a LoRA
   float8_targets: tuple  # ... whose frozen kernels float8 storage covers
   lora_prefix: str  # the key prefix of exported LoRAs (what diffusers' and ComfyUI's loaders expect)

@@ -1,9 +1,12 @@
 """The flow-matching training objective that every family shares.
 
-x_t = (1 - t) x_0 + t * noise, the model predicts the velocity noise - x_0, loss = fp32 MSE.
-Timesteps follow diffusion-pipe's options: logit-normal or uniform, then an optional shift (a
-family may shift by resolution instead: `Family.shift_timesteps`).
+x_t = (1 - t) x_0 + t * noise, the model predicts the velocity noise - x_0; the loss is fp32 MSE,
+or Huber or smooth L1 (`pointwise_loss`). Timesteps follow diffusion-pipe's options: logit-normal
+or uniform, mapped into [min_t, max_t], then an optional shift (a family may shift by resolution
+instead: `Family.shift_timesteps`).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -40,9 +43,31 @@ def noisy_latents(latents, noise, t):
   return (1 - t) * latents + t * noise
 
 
-def mse(pred, target, mask=None):
-  """fp32 mean squared error; with a [B, L] token mask, normalised by the mask's mean."""
-  err = jnp.square(pred.astype(jnp.float32) - target.astype(jnp.float32)).mean(-1)
+def huber(err, delta):
+  """torch.nn.functional.huber_loss per element: quadratic below `delta`, linear above."""
+  magnitude = jnp.abs(err)
+  return jnp.where(magnitude < delta, 0.5 * jnp.square(err), delta * (magnitude - 0.5 * delta))
+
+
+def smooth_l1(err, beta):
+  """torch.nn.functional.smooth_l1_loss per element: Huber with delta `beta`, divided by it."""
+  return huber(err, beta) / beta
+
+
+def pointwise_loss(huber_delta=0.0, smooth_l1_beta=0.0):
+  """The loss of each element's error (the config's `huber_delta`, `smooth_l1_beta`): Huber or
+  smooth L1 when its parameter is > 0 (at most one is), else the square."""
+  if huber_delta > 0:
+    return functools.partial(huber, delta=huber_delta)
+  if smooth_l1_beta > 0:
+    return functools.partial(smooth_l1, beta=smooth_l1_beta)
+  return jnp.square
+
+
+def loss(pred, target, mask=None, pointwise=jnp.square):
+  """fp32 `pointwise` loss of the error, averaged over channels, then over the tokens: with a
+  [B, L] token mask, the masked mean normalised by the mask's mean."""
+  err = pointwise(pred.astype(jnp.float32) - target.astype(jnp.float32)).mean(-1)
   if mask is None:
     return err.mean()
   return (err * mask).mean() / jnp.maximum(mask.mean(), 1e-8)

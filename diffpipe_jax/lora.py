@@ -2,10 +2,12 @@
 (and import from) the diffusers/PEFT safetensors format that ComfyUI and diffusers load.
 
 Targets are a family's regular expressions over module names without block indices (the Flax
-names joined by ".", e.g. `transformer_blocks.attn.to_q`); every pattern must match at least one
-Linear, so a typo is an error rather than a silently smaller adapter. A family's Flax names
-mirror its LoRA export format, so the exported names come from the same naming rule that loads
-the base weights, behind the family's `lora_prefix`.
+names joined by ".", e.g. `transformer_blocks.attn.to_q`), less `adapter.exclude_modules` (PEFT's
+list semantics over the same names); every pattern and exclusion must match at least one Linear,
+so a typo is an error rather than a silently different adapter. A family's Flax names mirror its
+LoRA export format, so the exported names come from the same naming rule that loads the base
+weights, behind the family's `lora_prefix`; a LoRA is read back behind any of `KEY_PREFIXES`
+(diffusion-pipe writes ComfyUI's), from our folders or diffusion-pipe's.
 """
 import json
 import os
@@ -23,6 +25,11 @@ from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import Family
 
 WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+# a LoRA folder's weights: ours (diffusers' name), or PEFT's (diffusion-pipe's epochN/ folders)
+WEIGHTS_NAMES = (WEIGHTS_NAME, "adapter_model.safetensors")
+# where a family's module names may stand in a LoRA file: ComfyUI's (diffusion-pipe's exports),
+# diffusers', PEFT's
+KEY_PREFIXES = ("diffusion_model.", "transformer.", "base_model.model.")
 
 
 def linear_modules(abstract_params) -> dict:
@@ -31,20 +38,49 @@ def linear_modules(abstract_params) -> dict:
           for path, leaf in table.flatten(abstract_params).items() if path[-1] == "kernel"}
 
 
-def select_targets(abstract_params, patterns: Sequence[str]) -> list:
-  """The Linear modules matched by `patterns` (full-match regexes); each must match something."""
+def excludes(entry: str, name: str) -> bool:
+  """PEFT's `exclude_modules` list semantics: the module's name is the entry or ends with it."""
+  return name == entry or name.endswith("." + entry)
+
+
+def select_targets(abstract_params, patterns: Sequence[str], exclude: Sequence[str] = ()) -> list:
+  """The Linear modules matched by `patterns` (full-match regexes) that no `exclude` entry
+  `excludes`; each pattern and each entry must match something."""
   names = linear_modules(abstract_params)
   unmatched = [p for p in patterns if not any(table.matches(n, [p]) for n in names)]
   if unmatched:
     raise UserError(f"adapter target pattern(s) {unmatched} match no Linear layer; Linear layers "
                      f"are named like {sorted(names)[:6]}")
-  return sorted(n for n in names if table.matches(n, patterns))
+  targets = sorted(n for n in names if table.matches(n, patterns))
+  for entry in exclude:
+    if not any(excludes(entry, n) for n in targets):
+      raise UserError(_excludes_nothing(entry, targets))
+  kept = [n for n in targets if not any(excludes(e, n) for e in exclude)]
+  if not kept:
+    raise UserError(f"adapter.exclude_modules={list(exclude)} excludes every LoRA target; "
+                    "leave some to train")
+  return kept
 
 
-def init(abstract_params, patterns: Sequence[str], rank: int, dtype, key) -> dict:
-  """A = U(-1/sqrt(in), 1/sqrt(in)) as PEFT's default, B = 0: training starts at the base model."""
+def _excludes_nothing(entry: str, targets: Sequence[str]) -> str:
+  """Why an `adapter.exclude_modules` entry matches no target: a block index in it (the names
+  have none: an exclusion holds across blocks), or no such module."""
+  parts = entry.split(".")
+  across_blocks = [e for e in (".".join(parts[:i] + parts[i + 1:]) for i in range(1, len(parts) - 1)
+                               if parts[i].isdigit()) if any(excludes(e, n) for n in targets)]
+  if across_blocks:
+    return (f"adapter.exclude_modules entry {entry!r} names one block's module, and exclusion per "
+            f"block is not supported: name the module across blocks, {across_blocks[0]!r}")
+  return (f"adapter.exclude_modules entry {entry!r} excludes no LoRA target; the targets are "
+          f"named without block indices, like {list(targets[::max(1, len(targets) // 6)][:6])}")
+
+
+def init(abstract_params, patterns: Sequence[str], rank: int, dtype, key,
+         exclude: Sequence[str] = ()) -> dict:
+  """A = U(-1/sqrt(in), 1/sqrt(in)) as PEFT's default, B = 0: training starts at the base model.
+  The targets: `select_targets`."""
   modules = linear_modules(abstract_params)
-  targets = select_targets(abstract_params, patterns)
+  targets = select_targets(abstract_params, patterns, exclude)
   flat = {}
   for name, k in zip(targets, jax.random.split(key, len(targets))):
     path, kernel = modules[name]
@@ -65,14 +101,15 @@ def to_torch(lora, stacked: Sequence[str], prefix: str) -> dict:
   return out
 
 
-def from_torch(tensors: Mapping[str, np.ndarray], abstract_lora, stacked: Sequence[str], prefix: str):
-  """The inverse of `to_torch`, checked: every expected key present, with its shape, none left."""
+def from_torch(tensors: Mapping[str, np.ndarray], abstract_lora, stacked: Sequence[str]):
+  """The inverse of `to_torch` (its keys without the prefix), checked: every expected key present,
+  with its shape, none left."""
   flat, used, problems = {}, set(), []
   for path, leaf in table.flatten(abstract_lora).items():
     layers = range(leaf.shape[0]) if table.is_stacked(path, stacked) else [None]
     parts = []
     for i in layers:
-      key = f"{prefix}{table.diffusers_key(path, i)}.weight"
+      key = f"{table.diffusers_key(path, i)}.weight"
       want = (leaf.shape[1:] if i is not None else leaf.shape)[::-1]
       if key not in tensors:
         problems.append(f"missing {key}")
@@ -121,40 +158,76 @@ def save(lora, directory: str, family: Family, rank: int, save_dtype):
   return os.path.join(directory, WEIGHTS_NAME)
 
 
-def load(path: str, abstract_lora, family: Family):
-  """Reads an adapter written by `save` (a directory or the .safetensors file itself)."""
-  if os.path.isdir(path):
-    path = os.path.join(path, WEIGHTS_NAME)
+def weights_file(path: str) -> str:
+  """The LoRA file that `path` names: the file itself; a LoRA folder (`WEIGHTS_NAMES`); or a run
+  folder, diffusion-pipe's or ours, whose epochN/ (or stepN/) LoRA folder of the highest number
+  is taken."""
+  if not os.path.isdir(path):
+    return path
+  held = [os.path.join(path, n) for n in WEIGHTS_NAMES if os.path.isfile(os.path.join(path, n))]
+  if held:
+    return held[0]
+  saves = {}  # "epoch" / "step" -> [(number, folder)]
+  for entry in os.listdir(path):
+    match = re.fullmatch(r"(epoch|step)(\d+)", entry)
+    if match and any(os.path.isfile(os.path.join(path, entry, n)) for n in WEIGHTS_NAMES):
+      saves.setdefault(match[1], []).append((int(match[2]), entry))
+  newest = sorted(max(found)[1] for found in saves.values())
+  if not newest:
+    raise CheckpointError(f"{path} holds no LoRA: no {' or '.join(WEIGHTS_NAMES)}, nor epochN/ or "
+                          "stepN/ folders holding one")
+  if len(newest) > 1:
+    raise CheckpointError(f"{path} holds LoRAs by epoch and by step (the newest: {' and '.join(newest)}): "
+                          "name the folder to continue from")
+  print(f"{path}: taking its newest LoRA, {newest[0]}/")
+  return weights_file(os.path.join(path, newest[0]))
+
+
+def read_tensors(path: str, family: Family) -> dict:
+  """The LoRA that `path` names (`weights_file`) as {"<module>.lora_A.weight": (r, in), ...
+  lora_B: (out, r)} with the family's module names, found behind its `lora_prefix` or any of
+  `KEY_PREFIXES`. An alpha other than the rank (a module's `<module>.alpha`, ComfyUI's, else
+  `lora_alpha` of a PEFT `adapter_config.json` beside the file) is folded into B: the update is
+  alpha / rank * B A, as PEFT and ComfyUI apply it, and our adapters have scale 1."""
+  path = weights_file(path)
   files = TensorFiles([path])
-  return from_torch({k: files[k] for k in files.keys()}, abstract_lora, family.stacked,
-                    family.lora_prefix)
+  prefixes = (family.lora_prefix, *KEY_PREFIXES)
+  unprefixed = lambda k: k[len(next((p for p in prefixes if k.startswith(p)), "")):]
+  tensors = {unprefixed(k): files[k] for k in files.keys()}
+  config_path = os.path.join(os.path.dirname(path), "adapter_config.json")
+  config_alpha = None
+  if os.path.isfile(config_path):
+    with open(config_path) as f:
+      config_alpha = json.load(f).get("lora_alpha")
+  for b in [k for k in tensors if k.endswith(".lora_B.weight")]:
+    alpha = tensors.pop(b.removesuffix("lora_B.weight") + "alpha", config_alpha)
+    rank = tensors[b].shape[-1]
+    if alpha is not None and float(np.asarray(alpha, np.float32)) != rank:
+      tensors[b] = np.asarray(tensors[b], np.float32) * (float(np.asarray(alpha, np.float32)) / rank)
+  return tensors
+
+
+def load(path: str, abstract_lora, family: Family):
+  """A LoRA to continue (`adapter.init_from_existing`): ours as `save` writes it, or diffusion-
+  pipe's (`read_tensors`), holding exactly this adapter's modules, at its rank."""
+  return from_torch(read_tensors(path, family), abstract_lora, family.stacked)
 
 
 def read(path: str, abstract_params, family: Family):
-  """Any LoRA file in our export format (ours, or one a user downloaded), whatever its targets
-  and rank: the modules it holds become the targets. A PEFT `adapter_config.json` beside it with
-  a `lora_alpha` other than the rank scales B by alpha / rank, as PEFT applies it."""
-  folder = path if os.path.isdir(path) else os.path.dirname(path)
-  path = os.path.join(path, WEIGHTS_NAME) if os.path.isdir(path) else path
-  files = TensorFiles([path])
-  tensors = {k: files[k] for k in files.keys()}
-  prefix, stacked = family.lora_prefix, "|".join(map(re.escape, family.stacked))
-  names = {k[len(prefix):].rsplit(".lora_", 1)[0] for k in tensors if k.startswith(prefix)}
+  """Any LoRA that `read_tensors` reads (ours, diffusion-pipe's, one a user downloaded),
+  whatever its targets and rank: the modules it holds become the targets."""
+  tensors = read_tensors(path, family)
+  stacked = "|".join(map(re.escape, family.stacked))
+  names = {k.rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k}
   if not names:
-    raise CheckpointError(f"{path} holds no {prefix}*.lora_A/B weights: not a {family.type} LoRA "
-                          "in the diffusers/PEFT format")
+    raise CheckpointError(f"{path} holds no {family.lora_prefix}<module>.lora_A/B weights (nor behind "
+                          f"another prefix): not a {family.type} LoRA in the diffusers/PEFT format")
   patterns = sorted({re.escape(re.sub(rf"^({stacked})\.\d+\.", r"\1.", n)) for n in names})
   ranks = sorted({v.shape[0] for k, v in tensors.items() if k.endswith(".lora_A.weight")})
   if len(ranks) != 1:
     raise CheckpointError(f"{path} mixes LoRA ranks {ranks}; one rank per file is supported")
   abstract = jax.eval_shape(lambda: init(abstract_params, patterns, ranks[0], jnp.float32, jax.random.key(0)))
-  adapter = from_torch(tensors, abstract, family.stacked, prefix)
-  config_path = os.path.join(folder, "adapter_config.json")
-  if os.path.isfile(config_path):
-    with open(config_path) as f:
-      alpha = json.load(f).get("lora_alpha", ranks[0])
-    adapter = scaled(adapter, alpha / ranks[0])
-  return adapter
+  return from_torch(tensors, abstract, family.stacked)
 
 
 def scaled(adapter, scale: float):

@@ -15,9 +15,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from diffpipe_jax import checkpoint, data, errors, lora, media, models, optim, sample, sharding, tiny, validate
-from diffpipe_jax.metrics import MetricWriter
-from diffpipe_jax import family as family_lib
+from diffpipe_jax import checkpoint, data, errors, lora, media, models, optim, sample, sharding, stacks, tiny, validate
+from diffpipe_jax import family as family_lib, metrics as metrics_lib
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.update import EVAL_QUANTILES, init_state, make_eval, make_step
 
@@ -74,7 +73,8 @@ def prepare_paths(config, family) -> str:
     print(f"writing the embedded tiny {family.type} pipeline to {path}")
     family_lib.torch_side(family).write_tiny_pipeline(path)
   eval_sets = dict(sizes=((40, 40),), num_images=4)
-  for folder, options in [(config.dataset.path, {})] + [(e.path, eval_sets) for e in config.eval_datasets.values()]:
+  for folder, options in [(config.dataset.path, {})] + [(e.get("path", ""), eval_sets)
+                                                         for e in config.eval_datasets.values()]:
     if tiny.generates(config, folder) and not os.path.isdir(folder):
       videos = folder == tiny.VIDEOS
       print(f"writing the embedded tiny {'video' if videos else 'image'} set to {folder}")
@@ -82,12 +82,25 @@ def prepare_paths(config, family) -> str:
   return path
 
 
+def eval_settings(train_settings, entry):
+  """An eval set's dataset settings: its own dataset TOML (diffusion-pipe's eval_datasets), or a
+  folder taking the training set's bucket settings."""
+  if entry.get("toml_path"):
+    return data.dataset_settings(dict(toml_path=entry.toml_path))
+  return dataclasses.replace(train_settings, directories=(media.DirectorySettings(path=entry.path),))
+
+
+def crossed(before: int, after: int, n: int) -> bool:
+  """Whether a count went past a multiple of `n` (0: never) from `before` to `after`."""
+  return bool(n) and after // n > before // n
+
+
 def cache_datasets(config, family, encoders, regenerate, build=True):
   """Caches the training and eval datasets (the family's PyTorch `encoders` load when something
   needs encoding); with build=False, opens the caches another process built."""
   train_settings = data.dataset_settings(config.dataset)
-  settings = {"train": train_settings, **{name: dataclasses.replace(train_settings, directories=(
-      media.DirectorySettings(path=e.path),)) for name, e in config.eval_datasets.items()}}
+  settings = {"train": train_settings, **{name: eval_settings(train_settings, e)
+                                          for name, e in config.eval_datasets.items()}}
   if not build:
     return {name: data.open_cached_dataset(s, family.type) for name, s in settings.items()}
   return {name: data.cache_dataset(s, family.type, encoders, config.caching_batch_size, regenerate)
@@ -104,6 +117,27 @@ def encode_sample_prompts(config, family, encoders):
   return sample.encode_prompts(family, encoders, sample.prompt_lines(config.sample_prompts),
                                *sample.size(config),
                                cache_dir=os.path.join(config.output_dir, ".sample_prompts"))
+
+
+def split_cost(split, balanced) -> str:
+  """What a manual `partition_split` plan costs beside the balanced one: a JAX array's shards
+  have one size, so every stage stores as many layers of a stack as its fullest stage holds."""
+  return (f"partition_split: each stage stores {split.layers_stored()} layers (padding included) "
+          f"and idles {split.bubble():.0%} of the step; without partition_split the stages are "
+          f"balanced: {balanced.layers_stored()} layers, {balanced.bubble():.0%} idle. Unlike "
+          "DeepSpeed's, no split gives one GPU fewer weights than another")
+
+
+def eval_weights(params, config, layout):
+  """The frozen weights the evals use: with `disable_block_swap_for_eval`, swapped layers copied
+  to the device for their duration (faster evals, while the memory is there)."""
+  swapped = config["disable_block_swap_for_eval"] and layout.swap
+  return stacks.to_device(params) if swapped else params
+
+
+def split_micro_batches(batch, n: int) -> list:
+  """A loaded batch of `n` consecutive micro-batches (`data.Batches.load`) -> the `n` of them."""
+  return [jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:])[a], batch) for a in range(n)]
 
 
 def from_process_0(text: str) -> str:
@@ -135,7 +169,7 @@ def config_changes(run_dir: str, config) -> list:
   """"key: old -> new" for each setting that differs from the run's `config.json`."""
   with open(os.path.join(run_dir, "config.json")) as f:
     old = validate.flatten(json.load(f))
-  new = validate.flatten(json.loads(config.to_json_best_effort()))
+  new = validate.flatten(json.loads(metrics_lib.public_config(config).to_json_best_effort()))
   return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
           if old.get(k) != new.get(k)]
 
@@ -184,6 +218,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   is_main_process = jax.process_index() == 0  # the one that writes logs and exports
   family = family_lib.get(config.model.type)
   validate.check(config, family)  # every value, before anything is written or loaded
+  metrics_lib.check_wandb(config)
 
   # ---------------------------------------------------------------- mesh
   mesh = sharding.make_mesh(config.pipeline_stages)
@@ -214,11 +249,14 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
     cached = cached or cache_datasets(config, family, encoders, regenerate_cache, build=False)
     if sampling_on(config) and prompts is None:
       prompts = encode_sample_prompts(config, family, encoders)  # process 0's, read back
-  micro, accum = config.micro_batch_size_per_gpu * data_parallel, config.gradient_accumulation_steps
-  global_batch = micro * accum
-  dataset = data.Batches(cached.pop("train"), global_batch, config.seed, family.position_ids,
-                         micro_batches=accum)
-  evals = {name: data.Batches(dirs, micro, config.seed, family.position_ids, name)
+  accum, eval_accum = config.gradient_accumulation_steps, config.eval_gradient_accumulation_steps
+  micro = data.micro_batch_sizes(config.micro_batch_size_per_gpu, config.image_micro_batch_size_per_gpu)
+  eval_micro = (data.micro_batch_sizes(config.eval_micro_batch_size_per_gpu)
+                if config.eval_micro_batch_size_per_gpu else micro)
+  dataset = data.Batches(cached.pop("train"), lambda b: micro(b) * data_parallel * accum, config.seed,
+                         family.position_ids, micro_batches=accum, uncond_fraction=config.uncond_fraction)
+  evals = {name: data.Batches(dirs, lambda b: eval_micro(b) * data_parallel * eval_accum, config.seed,
+                              family.position_ids, name, micro_batches=eval_accum)
            for name, dirs in cached.items()}
   if cache_only:
     print("cached; exiting (--cache_only)")
@@ -228,10 +266,14 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   total_steps = min(total_steps, config.max_steps) if config.max_steps else total_steps
 
   # ---------------------------------------------------------------- model (frozen), on the mesh
-  layout = sharding.make_layout(mesh, family.stacks(models.checkpoint_config(family.type, path)),
-                                accum, config.blocks_to_swap, config.unrolled)
+  block_stacks = family.stacks(models.checkpoint_config(family.type, path))
+  layout = sharding.make_layout(mesh, block_stacks, accum, config.blocks_to_swap, config.unrolled,
+                                partition_split=config.partition_split,
+                                layers_around_stacks=family.layers_around_stacks)
   if layout.plan is not None:
     print(layout.plan.describe())
+  if config.partition_split:
+    print(split_cost(layout.plan, sharding.make_layout(mesh, block_stacks, accum).plan))
   if layout.swap:
     print("frozen weights in pinned host memory: " + ", ".join(
         f"{n} of the {name}, spread evenly" for name, n in layout.swap))
@@ -275,24 +317,32 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
     ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
   if is_main_process:
     with open(os.path.join(run_dir, "config.json" if resume is None else "config_resumed.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+      f.write(metrics_lib.public_config(config).to_json_best_effort(indent=2))  # no API key
   print(f"run directory: {run_dir}; mesh {dict(mesh.shape)} over {len(jax.devices())} devices; "
-        f"global batch {global_batch}; {steps_per_epoch} steps an epoch")
+        f"global batches {sorted(set(map(dataset.batch_size, dataset.groups)))}; {steps_per_epoch} "
+        "steps an epoch")
 
   # ---------------------------------------------------------------- step, evals, saves
   step_fn = make_step(model, config, tx, layout)
   eval_fn = make_eval(model, config, layout)
   step = int(state["step"])
-  metrics = MetricWriter(run_dir, is_main_process, resumed_at=step if resume is not None else None)
+  resumed = resume is not None
+  metrics = metrics_lib.MetricWriter(run_dir, is_main_process, resumed_at=step if resumed else None,
+                                     resumed_examples=dataset.examples_seen(step) if resumed else None,
+                                     config=config)
 
   def run_evals(step):
     """Each eval set's loss at the fixed t quantiles, with the same noise every time."""
+    eval_params = eval_weights(params, config, layout)
     for name, ev in evals.items():
-      batches = ev.iterate(0, 0, jax.process_index(), jax.process_count())
-      losses = np.mean([eval_fn(state["lora"], params, sharding.global_batch(mesh, batch, batch_axis=0),
-                                jax.random.key(i)) for i, batch in enumerate(batches)], axis=0)
-      metrics.write(step, {f"{name}/loss": losses.mean(),
-                           **{f"{name}/loss_quantile_{q:.2f}": v for q, v in zip(EVAL_QUANTILES, losses)}})
+      losses = []
+      for i, batch in enumerate(ev.iterate(0, 0, jax.process_index(), jax.process_count())):
+        for a, micro_batch in enumerate(split_micro_batches(batch, eval_accum)):
+          losses.append(eval_fn(state["lora"], eval_params, sharding.global_batch(
+              mesh, micro_batch, batch_axis=0), jax.random.key(i * eval_accum + a)))
+      losses = np.mean(losses, axis=0)
+      metrics.write(step, {f"{name}/loss": losses.mean(), **{
+          f"{name}/loss_quantile_{q:.2f}": v for q, v in zip(EVAL_QUANTILES, losses)}}, examples=examples)
       print(f"eval {name} at step {step}: loss {losses.mean():.4f}")
 
   sample_steps, sample_guidance = sample.defaults(family, config)
@@ -311,7 +361,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
                                                             range(len(prompts.texts))],
                                encoders.frame_rate or 24)
       for i, (_, pixels) in enumerate(written):
-        metrics.image(step, f"samples/{i:02d}", sample.preview(pixels))
+        metrics.image(step, f"samples/{i:02d}", sample.preview(pixels), examples=examples)
       tqdm.write(f"samples at step {step}: {folder}")
 
   def last_good_checkpoint():
@@ -347,6 +397,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
 
   # ---------------------------------------------------------------- loop
   key = jax.random.key(config.seed + 1)
+  examples = dataset.examples_seen(step)
   last_checkpoint_time, last_saved_step = time.time(), None
   epoch_losses, first_losses, warned = [], [], set()
   if evals and config.eval_before_first_step and step == 0:
@@ -365,6 +416,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
       batch = next(batch_iter)
       batches = sharding.global_batch(mesh, jax.tree.map(
           lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch))
+      examples_before, examples = examples, examples + len(schedule[index][1])
       bucket = schedule[index][0]  # (width, height, frames): a new one compiles the step first
       if bucket not in compiled:
         width, height, frames = bucket
@@ -390,29 +442,34 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
       epoch_losses.append(loss)
       peak_gib = peak_device_memory_gib()
       metrics.write(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                           **({"train/peak_memory_gib": peak_gib} if peak_gib is not None else {})})
+                           **({"train/peak_memory_gib": peak_gib} if peak_gib is not None else {})},
+                    examples=examples)
       bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", epoch=epoch + 1,
                       **({"peak_mem": f"{peak_gib:.1f}G"} if peak_gib is not None else {}))
       bar.update(1)
 
       end_of_epoch = every(step, steps_per_epoch)
       if end_of_epoch:
-        metrics.write(step, {"train/epoch_loss": np.mean(epoch_losses)}, epoch=epoch + 1)
+        metrics.write(step, {"train/epoch_loss": np.mean(epoch_losses)}, epoch=epoch + 1, examples=examples)
         epoch_losses = []
       if end_of_epoch and every(epoch + 1, config.save_every_n_epochs):
         save_lora(f"epoch{epoch + 1}")
         last_saved_step = step
-      if every(step, config.save_every_n_steps):
+      if every(step, config.save_every_n_steps) or crossed(examples_before, examples,
+                                                           config.save_every_n_examples):
         save_lora(f"step{step}")
         last_saved_step = step
       if evals and (every(step, config.eval_every_n_steps) or (
-          end_of_epoch and every(epoch + 1, config.eval_every_n_epochs))):
+          end_of_epoch and every(epoch + 1, config.eval_every_n_epochs)) or crossed(
+              examples_before, examples, config.eval_every_n_examples)):
         run_evals(step)
       if prompts is not None and (every(step, config.sample_every_n_steps) or (
           end_of_epoch and every(epoch + 1, config.sample_every_n_epochs))):
         run_samples(step)
-      due = every(step, config.checkpoint_every_n_steps) or (
-          time.time() - last_checkpoint_time > 60 * config.checkpoint_every_n_minutes)
+      due = (every(step, config.checkpoint_every_n_steps)
+             or (end_of_epoch and every(epoch + 1, config.checkpoint_every_n_epochs))
+             or (config.checkpoint_every_n_minutes > 0
+                 and time.time() - last_checkpoint_time > 60 * config.checkpoint_every_n_minutes))
       if jax.process_count() > 1:  # every process must take part in a save: process 0's clock decides
         due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
       stopping = stop.requested()

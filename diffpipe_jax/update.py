@@ -30,6 +30,7 @@ def model_inputs(batch, key, *, model, config, quantile=None):
   else:
     t = jnp.full((latents.shape[0],), flow.quantile_timesteps(quantile, m.timestep_sample_method,
                                                               m.sigmoid_scale))
+  t = m.min_t + (m.max_t - m.min_t) * t  # diffusion-pipe's timestep range, before the shift
   t = model.family.shift_timesteps(m, t, latents)
   noise = jax.random.normal(k_noise, latents.shape, latents.dtype)
   noisy, mask = flow.noisy_latents(latents, noise, t), batch.get("mask")
@@ -38,6 +39,12 @@ def model_inputs(batch, key, *, model, config, quantile=None):
     mask = kept if mask is None or kept is None else mask * kept
   inputs = model.family.training_inputs(m, model.config, batch, noisy, t)
   return inputs, noise - latents, mask, k_dropout
+
+
+def _flow_loss(config):
+  """The config's loss, (pred, target, mask=None) -> scalar: MSE, Huber or smooth L1."""
+  return functools.partial(flow.loss, pointwise=flow.pointwise_loss(config.huber_delta,
+                                                                    config.smooth_l1_beta))
 
 
 def _predict(adapter, params, inputs, dropout_key, *, model, config, train, run_stacks):
@@ -53,7 +60,7 @@ def loss_fn(adapter, params, batch, key, *, model, config, quantile=None,
                                                  quantile=quantile)
   pred = _predict(adapter, params, inputs, k_dropout, model=model, config=config,
                   train=quantile is None, run_stacks=run_stacks)
-  return flow.mse(pred, target, mask)
+  return _flow_loss(config)(pred, target, mask)
 
 
 def pipelined_loss(adapter, params, batches, keys, *, model, config, pipeline):
@@ -67,7 +74,7 @@ def pipelined_loss(adapter, params, batches, keys, *, model, config, pipeline):
   pred = _predict(adapter, params, inputs, k_dropout[0], model=model, config=config, train=True,
                   run_stacks=pipeline.run)
   pred = pred.reshape(targets.shape[:2] + pred.shape[1:])
-  return jax.vmap(flow.mse)(pred, targets, *([masks] if masks is not None else [])).mean()
+  return jax.vmap(_flow_loss(config))(pred, targets, *([masks] if masks is not None else [])).mean()
 
 
 def grad_fn(model, config, pipeline=None, unrolled=False):
@@ -108,18 +115,19 @@ def grad_fn(model, config, pipeline=None, unrolled=False):
 
 
 def init_state(key, adapter=None, *, layer_params, config, tx, family):
-  """The training state in the plain layer layout: a new LoRA for the family's targets (or the
-  given one), its optimizer state and the step count."""
+  """The training state in the plain layer layout: a new LoRA for the family's targets but
+  `adapter.exclude_modules` (or the given one), its optimizer state and the step count."""
   if adapter is None:
     adapter = lora.init(layer_params, family.lora_targets, config.adapter.rank,
-                        jnp.dtype(config.adapter.dtype), key)
+                        jnp.dtype(config.adapter.dtype), key, exclude=config.adapter.exclude_modules)
   return dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
 
 
 def apply_gradients(state, loss, g, *, tx):
-  """The state after one optimizer update with the mean gradient `g`, and the step's metrics."""
+  """The state after one optimizer update with the mean gradient `g`, and the step's metrics.
+  The (float32) updates are added in float32 and rounded to each LoRA leaf's dtype, which stays."""
   updates, opt_state = tx.update(g, state["opt_state"], state["lora"])
-  new_state = dict(lora=jax.tree.map(jnp.add, state["lora"], updates), opt_state=opt_state,
+  new_state = dict(lora=optax.apply_updates(state["lora"], updates), opt_state=opt_state,
                    step=state["step"] + 1)
   return new_state, dict(loss=loss, grad_norm=optax.tree.norm(g))
 

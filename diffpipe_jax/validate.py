@@ -72,7 +72,9 @@ RULES = {
     "adapter.init_from_existing": TEXT,
     "adapter.exclude_modules": Rule("a list of module names", lambda v: isinstance(v, (tuple, list))
                                     and all(isinstance(m, str) and m for m in v)),
-    "optimizer.type": choice(*optim.OPTIMIZERS),
+    "optimizer.type": Rule(f"one of {', '.join(map(repr, optim.OPTIMIZERS))}, in any case (automagic: "
+                           "no maintained JAX library implements it)",
+                           lambda v: isinstance(v, str) and v.lower() in optim.OPTIMIZERS),
     "optimizer.lr": number(0, above=True),
     "optimizer.betas": numbers(number(0, below=1), length=2),
     "optimizer.weight_decay": number(0),
@@ -92,6 +94,7 @@ RULES = {
     "dataset.caption_prefix": TEXT,
     "caching_batch_size": integer(1),
     "eval_datasets.*.path": TEXT,
+    "eval_datasets.*.toml_path": TEXT,
     "eval_every_n_steps": integer(0),
     "eval_every_n_epochs": integer(0),
     "eval_before_first_step": FLAG,
@@ -181,10 +184,15 @@ def file_problems(config, family) -> list:
     problems.append(str(e))
   if config.adapter.init_from_existing and not os.path.exists(config.adapter.init_from_existing):
     problems.append(f"adapter.init_from_existing={config.adapter.init_from_existing!r}: no such "
-                    "file or directory (a LoRA folder or .safetensors file of ours)")
+                    "file or directory (a LoRA .safetensors file or folder, or a run folder of them)")
   for name, e in config.eval_datasets.items():
-    if not (os.path.isdir(e.path) or tiny.generates(config, e.path)):
-      problems.append(f"eval_datasets.{name}.path={e.path!r}: no such directory")
+    if e.get("toml_path"):
+      try:
+        data.dataset_settings(dict(toml_path=e.toml_path))
+      except (UserError, OSError) as err:
+        problems.append(f"eval_datasets.{name}.toml_path: {err}")
+    elif not (os.path.isdir(e.get("path", "")) or tiny.generates(config, e.get("path", ""))):
+      problems.append(f"eval_datasets.{name}.path={e.get('path', '')!r}: no such directory")
   if not tiny.generates(config, config.dataset.path):
     try:  # every dataset key, the TOML's and its folders included
       data.dataset_settings(config.dataset)

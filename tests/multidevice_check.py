@@ -1,7 +1,8 @@
 """Run in its own process with 8 fake CPU devices (see test_sharding.py), for a family's tiny
 model (`multidevice_check.py <model type> <checkpoint> <layouts>`, layouts such as
-"2x1,1x2,8x1u": data x stages, u for unrolled layers): on every layout the loss and LoRA
-gradients of a step, and a short training run, equal one device's.
+"2x1,1x2,8x1u,2x2@4": data x stages, u for unrolled layers, @ diffusion-pipe's partition_split,
+":"-separated): on every layout the loss and LoRA gradients of a step, and a short training run,
+equal one device's.
 
 The tiny models' stacks are a few blocks deep (Flux: 2 double and 3 single blocks), so 2, 4 and
 8 stages split unevenly and carry padding layers."""
@@ -20,9 +21,14 @@ from diffpipe_jax import family as family_lib, lora, models, optim, sharding, up
 
 
 def parse_layouts(text):
-  """"2x1,8x1u" -> ((2, 1, False), (8, 1, True)): (data, stage, unrolled) each."""
-  return tuple((int(data), int(stage.rstrip("u")), stage.endswith("u"))
-               for data, stage in (layout.split("x") for layout in text.split(",")))
+  """"2x1,8x1u,1x4@2:4:5" -> ((2, 1, False, ()), (8, 1, True, ()), (1, 4, False, (2, 4, 5))):
+  (data, stage, unrolled, partition_split) each."""
+  def parse(layout):
+    layout, _, split = layout.partition("@")
+    data, stage = layout.split("x")
+    split = tuple(int(a) for a in split.split(":") if a)
+    return int(data), int(stage.rstrip("u")), stage.endswith("u"), split
+  return tuple(map(parse, text.split(",")))
 
 
 UPDATE_COMPILES = []  # the threads that compiled an optimizer update
@@ -37,11 +43,12 @@ def batches_for(fam, cfg, step, mesh, batch=32, accum=4):
   return sharding.global_batch(mesh, local)
 
 
-def run(fam, path, config, data, stages, unrolled=False, steps=3, accum=4):
+def run(fam, path, config, data, stages, unrolled=False, partition_split=(), steps=3, accum=4):
   """(step-0 loss, step-0 LoRA gradients, losses of `steps` updates, final LoRA), plain layout."""
   mesh = sharding.make_mesh(stages, jax.devices()[:data * stages])
   layout = sharding.make_layout(mesh, fam.stacks(models.checkpoint_config(fam.type, path)), accum,
-                                unrolled=unrolled)
+                                unrolled=unrolled, partition_split=partition_split,
+                                layers_around_stacks=fam.layers_around_stacks)
   model = models.load(fam.type, path, layout=layout, unrolled=unrolled, progress=False)
   tx, _ = optim.make(config, steps)
   layer_params = models.abstract_params(fam, model.module, model.config)
@@ -69,8 +76,8 @@ def main(model_type, path, layouts):
   fam, config = family_lib.get(model_type), family_config(model_type)
   rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
   ref_loss, ref_grads, ref_losses, ref_lora, _ = run(fam, path, config, 1, 1)
-  for data, stages, unrolled in parse_layouts(layouts):
-    loss, grads, losses, adapter, layout = run(fam, path, config, data, stages, unrolled)
+  for data, stages, unrolled, split in parse_layouts(layouts):
+    loss, grads, losses, adapter, layout = run(fam, path, config, data, stages, unrolled, split)
     if layout.plan is not None:
       print(layout.plan.describe())
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
@@ -79,7 +86,8 @@ def main(model_type, path, layouts):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(adapter), jax.tree.leaves(ref_lora)):
       assert rel(a, b) <= 1e-5, rel(a, b)  # Adam amplifies noise of near-zero gradients elementwise
-    print(f"(data, stage) = ({data}, {stages}){', unrolled' if unrolled else ''}: loss, gradients and losses {losses} match one device")
+    print(f"(data, stage) = ({data}, {stages}){', unrolled' if unrolled else ''}"
+          f"{f', partition_split={list(split)}' if split else ''}: loss, gradients and losses {losses} match one device")
   print("ok")
 
 

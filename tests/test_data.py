@@ -70,8 +70,45 @@ def test_batches_are_bucketed_seeded_and_resumable(tmp_path, family, encoders):
 def test_empty_buckets_are_a_clear_error(tmp_path, family, encoders):
   dirs = cached(tiny.write_image_dataset(str(tmp_path / "img")), encoders)
   side = resolution(encoders)
-  with pytest.raises(ValueError, match=rf"no bucket holds a full global batch of 8.*{side}x{side}x1: 4"):
+  with pytest.raises(ValueError, match=rf"no bucket holds a full global batch.*{side}x{side}x1: 4 \(batch 8\)"):
     data.Batches(dirs, 8, seed=0, position_ids=family.position_ids)
+
+
+def test_batches_per_resolution_and_for_images_as_diffusion_pipe_sizes_them():
+  size = data.micro_batch_sizes(((512, 4), (1024, 1)))
+  assert [size((512, 512, 1)), size((704, 368, 1)), size((1024, 1024, 33)), size((1216, 832, 1))] == [4, 4, 1, 1]
+  assert data.micro_batch_sizes(2, image_micro_batch_size_per_gpu=8)((64, 64, 1)) == 8
+  assert data.micro_batch_sizes(2, image_micro_batch_size_per_gpu=8)((64, 64, 9)) == 2
+
+
+def test_batch_size_per_bucket_counts_steps_and_examples(tmp_path, family, encoders):
+  dirs = cached(tiny.write_image_dataset(str(tmp_path / "img")), encoders)  # 3 buckets of 4
+  widest = max(b for b, _ in dirs[0].cache.buckets())
+  batches = data.Batches(dirs, lambda b: 4 if b == widest else 2, seed=0, position_ids=family.position_ids)
+  assert batches.steps_per_epoch == 1 + 2 + 2 and batches.examples_per_epoch == 12
+  for (bucket, rows), loaded in zip(batches.epoch(0), batches.iterate(0)):
+    assert len(rows) == loaded["latents"].shape[0] == (4 if bucket == widest else 2)
+  sizes = [len(rows) for _, rows in batches.epoch(1)]
+  assert [batches.examples_seen(s) for s in (0, 2, 5, 7)] == [0, *np.cumsum(
+      [len(rows) for _, rows in batches.epoch(0)])[[1, 4]], 12 + sum(sizes[:2])]
+
+
+def test_uncond_fraction_trains_that_share_on_the_empty_caption(tmp_path, family, encoders):
+  dirs = cached(tiny.write_image_dataset(str(tmp_path / "img")), encoders)
+  empty = dirs[0].cache.empty_text()
+  batches = lambda p: data.Batches(dirs, 4, 0, family.position_ids, uncond_fraction=p)
+  plain, half, resumed = (list(batches(0.0).iterate(0)), list(batches(0.5).iterate(0)),
+                          list(batches(0.5).iterate(0, start=1)))
+  dropped = 0
+  for a, b in zip(plain, half):
+    np.testing.assert_array_equal(a["latents"], b["latents"])
+    for i in range(4):
+      same_as_empty = all(np.array_equal(b[k][i], v) for k, v in empty.items())
+      assert same_as_empty or all(np.array_equal(b[k][i], a[k][i]) for k in empty)
+      dropped += same_as_empty and not all(np.array_equal(a[k][i], v) for k, v in empty.items())
+  assert 2 <= dropped <= 10  # of 12, drawn with p = 0.5
+  for a, b in zip(half[1:], resumed):  # the draw is the batch's: a resumed run makes the same
+    np.testing.assert_array_equal(a[next(iter(empty))], b[next(iter(empty))])
 
 
 def test_edited_image_is_the_only_one_recached(tmp_path, encoders, monkeypatch):

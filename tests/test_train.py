@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 
 from conftest import (FAMILIES, MACHINERY_FAMILY, diffusers_modules, family_config, load_lora_in_diffusers,
                       xla_flags)
-from diffpipe_jax import checkpoint, family as family_lib, lora, metrics, models, optim, sharding, stacks, train, update
+from diffpipe_jax import checkpoint, family as family_lib, lora, models, optim, sharding, stacks, train, update
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.convert import table
 from diffpipe_jax.stacks import host_layers, is_layer_arrays, swapped_stacks
@@ -308,18 +308,6 @@ def test_divergence_is_a_zero_gradient_or_a_loss_ten_times_the_first_steps():
   assert train.divergence(11.0, 0.5, first[:3]) is None  # no baseline yet
 
 
-def test_a_resumed_run_logs_each_step_once(tmp_path):
-  writer = metrics.MetricWriter(str(tmp_path), True)
-  for step in range(1, 6):  # steps 4 and 5 were logged after the checkpoint at step 3
-    writer.write(step, {"train/loss": step})
-  writer.close()
-  writer = metrics.MetricWriter(str(tmp_path), True, resumed_at=3)
-  writer.write(4, {"train/loss": 40.0})
-  writer.close()
-  assert [(m["step"], m["train/loss"]) for m in read_metrics(str(tmp_path))] == [
-      (1, 1), (2, 2), (3, 3), (4, 40)]
-
-
 def test_non_finite_loss_stops_with_a_message(tmp_path, name=MACHINERY_FAMILY):
   out = run_main(tmp_path, name, "--config.optimizer.lr=1e30", "--config.epochs=1",
                  "--config.compilation_cache_dir=xla", shared_compilation_cache=False)
@@ -441,6 +429,12 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
       adapter = jax.tree.map(lambda a: a + 0.01, adapter)
     args = (layout.to_stages(adapter), model.params, jax.tree.map(lambda x: x[None], batch),
             jax.random.split(jax.random.key(1), 1))
+    if swap == most:  # disable_block_swap_for_eval: the evals on a device copy, the same losses
+      on_device = train.eval_weights(model.params, dict(disable_block_swap_for_eval=True), layout)
+      assert all(a.sharding.memory_kind == "device" for a in jax.tree.leaves(on_device))
+      evaluate = update.make_eval(model, config, layout)
+      np.testing.assert_allclose(evaluate(args[0], on_device, batch, jax.random.key(2)),
+                                 evaluate(args[0], model.params, batch, jax.random.key(2)), rtol=1e-6)
     if not scanned:
       lengths = {name: length for name, length, _ in block_stacks}
       for name, n in layout.swap:

@@ -304,6 +304,7 @@ FAMILY = Family(
     make_module=Flux,
     stacks=block_stacks,
     stacked=STACKED,
+    layers_around_stacks=(1, 0, 1),  # diffusion-pipe's layers: embedding, double, single blocks, final layer
     lora_targets=LORA_TARGETS,
     float8_targets=LORA_TARGETS,  # the frozen weights that float8 storage covers: the blocks' Linears
     lora_prefix="transformer.",

@@ -413,6 +413,7 @@ FAMILY = Family(
     make_module=HunyuanVideo,
     stacks=block_stacks,
     stacked=STACKED,
+    layers_around_stacks=(1, 1, 1),  # diffusion-pipe's layers: embedding, double blocks, join, single, output
     lora_targets=LORA_TARGETS,
     float8_targets=LORA_TARGETS,  # the frozen weights float8 storage covers: the blocks' Linears
     lora_prefix="transformer.",  # diffusion-pipe's form: transformer. + Tencent's names

@@ -425,6 +425,7 @@ FAMILY = Family(
     make_module=LTXVideo,
     stacks=block_stacks,
     stacked=STACKED,
+    layers_around_stacks=(1, 1),  # diffusion-pipe's layers: embedding, blocks, output
     lora_targets=LORA_TARGETS,
     float8_targets=LORA_TARGETS,  # the frozen weights float8 storage covers: the blocks' Linears
     # diffusion-pipe's (ComfyUI's) form, which diffusers' LTXPipeline.load_lora_weights also takes

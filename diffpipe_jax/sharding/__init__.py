@@ -150,17 +150,23 @@ def swapped_layers(block_stacks, blocks_to_swap: int) -> tuple:
 
 
 def make_layout(mesh: Mesh, block_stacks, microbatches: int, blocks_to_swap: int = 0,
-                unrolled: bool = False, **plan_options) -> Layout:
+                unrolled: bool = False, partition_split: Sequence[int] = (),
+                layers_around_stacks: Sequence[int] = (), **plan_options) -> Layout:
   """The layout on `mesh` of a model whose block stacks are `block_stacks` ((name, layers,
   relative cost), in order: a family's `stacks(cfg)`); with more than one stage, their pipeline
-  plan (`plan.describe()` prints it) for `microbatches` microbatches a step; on one stage, the
-  frozen weights of `blocks_to_swap` blocks in pinned host memory, and with the layers
-  `unrolled` (see `stacks.remat_policy`), every stacked leaf per layer."""
+  plan (`plan.describe()` prints it) for `microbatches` microbatches a step, balanced, or at
+  diffusion-pipe's stage boundaries `partition_split` in its numbering of the model's layers
+  (the family's `layers_around_stacks`, `pipeline.blocks_per_stage`); on one stage, the frozen
+  weights of `blocks_to_swap` blocks in pinned host memory, and with the layers `unrolled` (see
+  `stacks.remat_policy`), every stacked leaf per layer."""
+  stages = mesh.shape["stage"]
+  split = (pipeline_lib.blocks_per_stage(block_stacks, layers_around_stacks, partition_split, stages)
+           if partition_split else None)
   plan = None
-  if mesh.shape["stage"] > 1:
+  if stages > 1:
     if blocks_to_swap:
       raise UserError(SWAP_NEEDS_ONE_STAGE)
-    plan = pipeline_lib.make_plan(block_stacks, mesh.shape["stage"], microbatches, **plan_options)
+    plan = pipeline_lib.make_plan(block_stacks, stages, microbatches, split, **plan_options)
   swap = swapped_layers(block_stacks, blocks_to_swap)
   return Layout(mesh, tuple(name for name, _, _ in block_stacks), plan, swap, unrolled=unrolled)
 

@@ -10,6 +10,16 @@ sizes are chosen per stack by simulating the schedule (`make_plan`).
 Each stage stores only its own chunks: a stacked weight [L, ...] becomes [S, visits * k, ...],
 sharded over 'stage' (`to_stages`; `to_layers` is the inverse, for exports and checkpoints).
 
+A fixed split (diffusion-pipe's `partition_split`, `blocks_per_stage`) gives each stage instead a
+contiguous range of each stack, of any length, none included, run in one visit: k is the
+longest range, and the shorter ones are padded to it. The trade-off: the shards of an array are
+equal, so every stage stores k layers of each stack whatever its own range, as many as the
+stage with the most and never fewer than an even split's ceil(L / S). A split cannot give a
+smaller GPU less memory (Flux split after its double blocks on 2 stages: each stage stores 19
+double and 38 single blocks, the whole model's size, about half of it padding), and each stack
+takes as long as its longest range. It runs diffusion-pipe's configs unchanged, at their stage
+boundaries; without one, memory and time are balanced.
+
 A stack runs as a `lax.scan` over ticks. At tick t stage s works on item f = t - s of the flat
 sequence (visit v, microbatch m) = divmod(f, slots), runs its chunk of that visit, and
 `lax.ppermute` hands the result to stage s+1; the last stage hands it round to stage 0, which
@@ -40,12 +50,15 @@ TICK_OVERHEAD = 0.05
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-  """One block stack in the pipeline: `length` layers in chunks of `per_stage`, `visits` rounds."""
+  """One block stack in the pipeline: `length` layers in chunks of `per_stage`, `visits` rounds;
+  with `counts`, a fixed split: `counts[s]` consecutive layers on stage s, one visit, chunks of
+  the largest count (`per_stage`)."""
   name: str
   length: int
   per_stage: int
   visits: int
   cost: float = 1.0  # of one layer, relative to the other stacks'
+  counts: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +77,9 @@ class Plan:
     return segment.visits * self.slots(segment) + self.stages - 1
 
   def layers_on(self, segment: Segment, stage: int, visit: int) -> range:
+    if segment.counts:
+      first = sum(segment.counts[:stage])
+      return range(first, first + segment.counts[stage])
     first = (visit * self.stages + stage) * segment.per_stage
     return range(first, min(first + segment.per_stage, segment.length))
 
@@ -74,6 +90,10 @@ class Plan:
   def ideal_cost(self) -> float:
     return self.microbatches * sum(s.cost * s.length for s in self.segments) / self.stages
 
+  def layers_stored(self) -> int:
+    """Layers each stage stores per step's weights (its own and padding): one size for all."""
+    return sum(s.visits * s.per_stage for s in self.segments)
+
   def bubble(self) -> float:
     """The fraction of stage time idle or on padding (without the tick overhead)."""
     busy = sum(self.ticks(s) * s.per_stage * s.cost for s in self.segments)
@@ -83,50 +103,90 @@ class Plan:
     lines = [f"pipeline: {self.stages} stages, {self.microbatches} microbatches, "
              f"{sum(self.ticks(s) for s in self.segments)} ticks, bubble {self.bubble():.1%}"]
     for s in range(self.stages):
-      parts = []
+      parts, padding = [], 0
       for seg in self.segments:
         held = [self.layers_on(seg, s, v) for v in range(seg.visits)]
+        padding += seg.visits * seg.per_stage - sum(map(len, held))
         parts.append(f"{seg.name} " + (",".join(
             f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in held if len(r)) or "-"))
-      lines.append(f"  stage {s}: " + "; ".join(parts))
+      lines.append(f"  stage {s}: " + "; ".join(parts)
+                   + (f" (+{padding} padding layers)" if padding else ""))
     return "\n".join(lines)
 
   # ------------------------------------------------------------------ storage layout
   def segment(self, name: str) -> Segment:
     return next(s for s in self.segments if s.name == name)
 
+  def stored_layers(self, name: str) -> np.ndarray:
+    """[S, visits * per_stage]: the layer each stage stores in each slot, `length` for padding."""
+    seg = self.segment(name)
+    stored = np.full((self.stages, seg.visits, seg.per_stage), seg.length)
+    for stage, visit in np.ndindex(self.stages, seg.visits):
+      layers = self.layers_on(seg, stage, visit)
+      stored[stage, visit, :len(layers)] = layers
+    return stored.reshape(self.stages, -1)
+
   def to_stages(self, name: str, leaf):
     """A stacked leaf [L, ...] -> [S, visits * per_stage, ...], zero-padded (numpy or jax)."""
-    seg, xp = self.segment(name), (np if isinstance(leaf, np.ndarray) else jnp)
-    S, k, V = self.stages, seg.per_stage, seg.visits
-    padded = xp.concatenate([leaf, xp.zeros((V * S * k - seg.length, *leaf.shape[1:]), leaf.dtype)])
-    staged = padded.reshape(V, S, k, *leaf.shape[1:]).swapaxes(0, 1)
-    return staged.reshape(S, V * k, *leaf.shape[1:])
+    xp = np if isinstance(leaf, np.ndarray) else jnp
+    return xp.concatenate([leaf, xp.zeros((1, *leaf.shape[1:]), leaf.dtype)])[self.stored_layers(name)]
 
   def to_layers(self, name: str, leaf):
     """The inverse of `to_stages`."""
-    seg, S = self.segment(name), self.stages
-    k, V = seg.per_stage, seg.visits
-    layers_ = leaf.reshape(S, V, k, *leaf.shape[2:]).swapaxes(0, 1)
-    return layers_.reshape(V * S * k, *leaf.shape[2:])[:seg.length]
+    order = np.argsort(self.stored_layers(name), axis=None, kind="stable")  # padding sorts last
+    return leaf.reshape(-1, *leaf.shape[2:])[order[:self.segment(name).length]]
 
   def valid(self, name: str) -> np.ndarray:
-    return self.to_stages(name, np.ones((self.segment(name).length,), bool))
+    return self.stored_layers(name) < self.segment(name).length
 
 
-def make_plan(block_stacks: Sequence, stages: int, microbatches: int,
+def make_plan(block_stacks: Sequence, stages: int, microbatches: int, split: Sequence | None = None,
               tick_overhead: float = TICK_OVERHEAD) -> Plan:
   """The chunk size of each stack with the cheapest schedule. `block_stacks` lists (name,
-  layers, relative cost of a layer) in execution order (a model family's `stacks`)."""
+  layers, relative cost of a layer) in execution order (a model family's `stacks`); `split`, a
+  fixed split instead: each stack's layers on each stage (`blocks_per_stage`)."""
   if stages < 1 or microbatches < 1:
     raise UserError(f"need stages >= 1 and microbatches >= 1, got {stages} and {microbatches}")
   plan = lambda segments: Plan(stages, microbatches, tuple(segments), tick_overhead)
+  if split is not None:
+    assert [sum(c) for c in split] == [length for _, length, _ in block_stacks], (split, block_stacks)
+    return plan(Segment(name, length, max(counts), 1, cost, tuple(counts))
+                for (name, length, cost), counts in zip(block_stacks, split))
   best = []
   for name, length, cost in block_stacks:  # stacks run one after the other: each on its own
     choices = [Segment(name, length, k, -(-length // (stages * k)), cost)
                for k in range(1, -(-length // stages) + 1)]
     best.append(min(choices, key=lambda s: (round(plan([s]).cost(), 6), plan([s]).ticks(s))))
   return plan(best)
+
+
+def blocks_per_stage(block_stacks: Sequence, layers_around_stacks: Sequence, partition_split: Sequence,
+                     stages: int) -> tuple:
+  """diffusion-pipe's `partition_split` -> each stack's number of blocks on each stage.
+
+  diffusion-pipe numbers the model's layers in one list: `layers_around_stacks[i]` layers that
+  are no block (embeddings, a join of two streams) before stack i, then its blocks, and
+  `layers_around_stacks[-1]` after the last stack (the final layer; a family's field).
+  `partition_split` lists the first layer of stages 1, 2, ...; stage 0 starts at layer 0."""
+  lengths = [length for _, length, _ in block_stacks]
+  assert len(layers_around_stacks) == len(lengths) + 1, (layers_around_stacks, lengths)
+  total, split = sum(lengths) + sum(layers_around_stacks), list(partition_split)
+  if len(split) != stages - 1:
+    raise UserError(f"partition_split={split}: {stages} pipeline stages need {stages - 1} boundaries")
+  if split != sorted(set(split)) or not all(0 < a < total for a in split):
+    raise UserError(f"partition_split={split}: the model has {total} layers (diffusion-pipe's "
+                    f"numbering, 0 its input embedding); use increasing indices in 1..{total - 1}")
+  bounds = np.array([0, *split, total])
+  first = np.cumsum(layers_around_stacks[:-1]) + np.cumsum([0, *lengths[:-1]])  # of each stack's block 0
+  before = np.clip(bounds - first[:, None], 0, np.array(lengths)[:, None])  # a stack's blocks before each bound
+  counts = np.diff(before, axis=1)  # [stacks, stages]
+  empty = np.flatnonzero(counts.sum(0) == 0)
+  if empty.size:
+    s = empty[0]
+    raise UserError(f"partition_split={split}: stage {s} would hold layers {bounds[s]}-"
+                    f"{bounds[s + 1] - 1}, no block; every stage needs one (the blocks are layers "
+                    f"{first[0]}-{total - layers_around_stacks[-1] - 1} of the model's {total})")
+  return tuple(tuple(map(int, c)) for c in counts)
 
 
 def is_stacked_path(path, names) -> str | None:
