@@ -15,8 +15,8 @@ contiguous range of each stack, of any length, none included, run in one visit: 
 longest range, and the shorter ones are padded to it. The trade-off: the shards of an array are
 equal, so every stage stores k layers of each stack whatever its own range, as many as the
 stage with the most and never fewer than an even split's ceil(L / S). A split cannot give a
-smaller GPU less memory (Flux split after its double blocks on 2 stages: each stage stores 19
-double and 38 single blocks, the whole model's size, about half of it padding), and each stack
+smaller GPU less memory (a model of two stacks split between them on 2 stages: each stage
+stores both stacks whole, the whole model's size, about half of it padding), and each stack
 takes as long as its longest range. It runs diffusion-pipe's configs unchanged, at their stage
 boundaries; without one, memory and time are balanced.
 
