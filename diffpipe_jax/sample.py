@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import tomllib
 from typing import Optional, Sequence
 
 import jax
@@ -242,8 +243,11 @@ def defaults(family, config):
 
 def size(config):
   """(frames, height, width) of the config's samples: its sample_* keys, else the first bucket
-  resolution, square."""
+  resolution (the dataset TOML's, when the config names one), square."""
   side = config.dataset.resolutions[0]
+  if config.dataset.toml_path:
+    with open(config.dataset.toml_path, "rb") as f:
+      side = tomllib.load(f).get("resolutions", media.DatasetSettings.resolutions)[0]
   return config.sample_frames, config.sample_height or side, config.sample_width or side
 
 
