@@ -46,8 +46,9 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   # memory until the backward pass (less memory, slower)
   c.activation_checkpointing = "block"
   # True (one stage; any activation_checkpointing but "block_offload"): the blocks unrolled and
-  # the step run as programs per block, faster and leaner than the scan (False)
-  c.unrolled = False
+  # the step run as programs per block, faster and leaner than the scan (False) on GPUs; None:
+  # True where it can be (stacks.unrolled_or_default)
+  c.unrolled = config_dict.placeholder(bool)
   # Compiled programs (and XLA's GPU autotuning results) kept across runs, so that a relaunch, a
   # resume or another run of the same shapes skips compiling each bucket's step; "" turns it off
   # (JAX_COMPILATION_CACHE_DIR, when set, wins)
@@ -154,6 +155,7 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.gradient_accumulation_steps = 2  # 12 items in 3 buckets: 3 steps an epoch
   c.checkpoint_every_n_steps = 4
   c.save_dtype = "float32"
+  c.unrolled = False  # on the CPU the scan compiles faster than the programs per block
   c.generate_tiny = True
   c.model.diffusers_path = tiny_defaults.pipeline_dir(c.model.type)
   c.model.dtype = "float32"

@@ -42,6 +42,13 @@ REMAT_POLICIES = {
 SWAP_NEEDS_ONE_STAGE = "blocks_to_swap needs pipeline_stages=1 (a pipeline already divides the weights)"
 
 
+def unrolled_or_default(unrolled: Optional[bool], remat: str, pipelined: bool) -> bool:
+  """`unrolled` as set, or where it is None the fastest mode the run allows: the blocks unrolled
+  on one stage (a faster and leaner step: BENCHMARKS.md), the scan for a pipeline and for
+  "block_offload", which need it."""
+  return (not pipelined and remat != "block_offload") if unrolled is None else unrolled
+
+
 def remat_policy(remat: str, unrolled: bool = False, pipelined: bool = False, swapped: bool = False):
   """The jax.checkpoint policy of `activation_checkpointing=remat`, checked against the other
   settings that decide how the blocks run."""

@@ -267,7 +267,9 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
 
   # ---------------------------------------------------------------- model (frozen), on the mesh
   block_stacks = family.stacks(models.checkpoint_config(family.type, path))
-  layout = sharding.make_layout(mesh, block_stacks, accum, config.blocks_to_swap, config.unrolled,
+  unrolled = stacks.unrolled_or_default(config.unrolled, config.activation_checkpointing,
+                                        pipelined=mesh.shape["stage"] > 1)
+  layout = sharding.make_layout(mesh, block_stacks, accum, config.blocks_to_swap, unrolled,
                                 partition_split=config.partition_split,
                                 layers_around_stacks=family.layers_around_stacks)
   if layout.plan is not None:
@@ -279,7 +281,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
         f"{n} of the {name}, spread evenly" for name, n in layout.swap))
   model = models.load(family.type, path, dtype=jnp.dtype(config.model.dtype),
                       transformer_dtype=config.model.transformer_dtype,
-                      remat=config.activation_checkpointing, unrolled=config.unrolled, layout=layout)
+                      remat=config.activation_checkpointing, unrolled=unrolled, layout=layout)
   params = model.params
 
   # ---------------------------------------------------------------- adapter and optimizer

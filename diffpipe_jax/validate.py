@@ -54,7 +54,7 @@ RULES = {
     "checkpoint_every_n_steps": integer(0),
     "checkpoints_to_keep": integer(1),
     "activation_checkpointing": choice(*stacks.REMAT_POLICIES),
-    "unrolled": FLAG,
+    "unrolled": Rule("True, False or None (True where it can be)", lambda v: v is None or isinstance(v, bool)),
     "compilation_cache_dir": TEXT,
     "blocks_to_swap": integer(0),
     "model.type": choice(*family_lib.names()),
@@ -150,8 +150,10 @@ def value_problems(values: dict, table: dict) -> list:
 def combination_problems(config) -> list:
   problems = []
   try:
-    stacks.remat_policy(config.activation_checkpointing, config.unrolled,
-                        pipelined=config.pipeline_stages > 1, swapped=config.blocks_to_swap > 0)
+    pipelined = config.pipeline_stages > 1
+    stacks.remat_policy(config.activation_checkpointing, stacks.unrolled_or_default(
+        config.unrolled, config.activation_checkpointing, pipelined), pipelined=pipelined,
+        swapped=config.blocks_to_swap > 0)
   except UserError as e:
     problems.append(str(e))
   if config.model.min_t >= config.model.max_t:

@@ -68,7 +68,7 @@ BAD = [  # (key, value, what the line says)
     ("model.shift", 0.0, "model.shift=0.0: must be a number > 0"),
     ("adapter.dropout", 1.0, "adapter.dropout=1.0: must be a number >= 0 and < 1"),
     ("activation_checkpointing", "blok", "activation_checkpointing='blok': must be one of"),
-    ("unrolled", "yes", "unrolled='yes': must be True or False"),
+    ("unrolled", "yes", "unrolled='yes': must be True, False or None"),
     ("dataset.resolutions", (512, 0), "dataset.resolutions=(512, 0): must be a list of values, each an integer >= 1"),
     ("optimizer.lrr", 1e-3, "optimizer.lrr: unknown key"),  # a typo in a config file
 ]
@@ -117,3 +117,19 @@ def test_main_stops_on_a_bad_value_in_one_line_before_writing_anything(tmp_path)
   assert out.returncode != 0
   assert out.stdout.strip() == "error: adapter.rank=0: must be an integer >= 1", out.stdout
   assert os.listdir(tmp_path) == []  # no tiny model, no images (imagez is not a tiny default)
+
+
+def test_unrolled_by_default_where_a_run_allows_it():
+  """`unrolled` unset (the released configs): the blocks unrolled on one stage, the scan for a
+  pipeline and for "block_offload"; set, as set (refused where it cannot be)."""
+  from diffpipe_jax import stacks
+  assert family_config("flux", "").unrolled is None
+  assert stacks.unrolled_or_default(None, "block", pipelined=False)
+  assert stacks.unrolled_or_default(None, "none", pipelined=False)
+  assert not stacks.unrolled_or_default(None, "block", pipelined=True)
+  assert not stacks.unrolled_or_default(None, "block_offload", pipelined=False)
+  assert not stacks.unrolled_or_default(False, "block", pipelined=False)
+  for overrides in (dict(pipeline_stages=2), dict(activation_checkpointing="block_offload")):
+    config = family_config("flux", "")
+    config.update_from_flattened_dict({"dataset.path": "images", **overrides})
+    assert validate.combination_problems(config) == []
