@@ -13,7 +13,7 @@
 The released shape with random weights (`SHAPES`: FLUX.1-dev at 1024^2 with 512 text tokens;
 LTX-Video 2B at the given frames, height and width with 128 text tokens; HunyuanVideo 13B
 likewise with 256), LoRA rank 32 on every
-block Linear (float32), AdamW, bf16 compute, one sample per micro-batch and data-parallel
+block Linear (float32), AdamW, bf16 compute, `--batch` samples (1) per micro-batch and data-parallel
 replica (a step of `--microbatches` M on D x S GPUs trains D * M samples; the pipeline runs the M
 micro-batches as its microbatches). Modes: no rematerialisation, per-block rematerialisation,
 and float8 (e4m3) frozen block weights with per-block remat. Each mode and layout (and each peer
@@ -160,9 +160,9 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
   state = layout.create(functools.partial(
       update.init_state, layer_params=models.abstract_params(fam, model.module, shape.cfg),
       config=config, tx=tx, family=fam), jax.random.key(1))
-  samples = data * a.microbatches  # one sample per microbatch and data-parallel replica
+  samples = data * a.microbatches * a.batch  # `batch` a microbatch and data-parallel replica
   # the latents and text in the compute dtype, as the cache holds them
-  batch = jax.tree.map(lambda x: x.reshape(a.microbatches, data, *x.shape[1:]).astype(
+  batch = jax.tree.map(lambda x: x.reshape(a.microbatches, data * a.batch, *x.shape[1:]).astype(
       dtype if x.dtype == np.float32 and x.ndim == 3 and x.shape[-1] != 3 else x.dtype),
       shape.batch(samples))
   batches = sharding.global_batch(layout.mesh, batch)
@@ -290,6 +290,7 @@ def main():
                  "peer_torch_video.py): run it too, --ckpt 0 and 1")
   p.add_argument("--modes", default=",".join(m for m in MODES if "(" not in m))
   p.add_argument("--layouts", default="1x1", help="(data)x(stage) meshes, comma-separated: 1x1,2x1,1x2")
+  p.add_argument("--batch", type=int, default=1, help="samples a micro-batch and data replica")
   p.add_argument("--microbatches", type=int, default=1,
                  help="micro-batches a step (gradient accumulation; the pipeline's microbatches)")
   p.add_argument("--tick_overhead", type=float, help="the pipeline plan's per-tick cost (layers)")
@@ -309,7 +310,8 @@ def main():
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
   common = [sys.executable, os.path.abspath(__file__), "--model", a.model, "--res", str(a.res),
             "--width", str(a.width), "--frames", str(a.frames), "--txt", str(a.txt),
-            "--rank", str(a.rank), "--steps", str(a.steps), "--microbatches", str(a.microbatches)]
+            "--rank", str(a.rank), "--steps", str(a.steps), "--microbatches", str(a.microbatches),
+            "--batch", str(a.batch)]
   common += ["--profile", os.path.abspath(a.profile)] if a.profile else []
   common += ["--tick_overhead", str(a.tick_overhead)] if a.tick_overhead else []
   common += ["--smoke"] if a.smoke else []
@@ -325,7 +327,7 @@ def main():
   flop = shape.flop
   ran = next((r for r in ours.values() if r != OOM), dict(device="(every run OOM)", jax="-"))
   useful = "" if flop is None else f"; useful {flop / 1e12:.1f} TFLOP/sample"
-  print(f"{shape.title}, LoRA r{a.rank} step, bf16, AdamW, {a.microbatches} micro-batch(es) of 1 per "
+  print(f"{shape.title}, LoRA r{a.rank} step, bf16, AdamW, {a.microbatches} micro-batch(es) of {a.batch} per "
         f"data replica, {ran['device']}, jax {ran['jax']}{useful}")
   print("\n".join(table(ours, peer, flop)))
 
