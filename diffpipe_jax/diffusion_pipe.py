@@ -106,7 +106,7 @@ def translate(key: str, value, where: str):
     return "eval_datasets", eval_datasets(value, where)
   if key == "video_clip_mode":
     return "dataset.video_clip_mode", value
-  if key == "activation_checkpointing" and (isinstance(value, bool) or value in ACTIVATION_CHECKPOINTING):
+  if key == "activation_checkpointing" and isinstance(value, (bool, str)) and value in ACTIVATION_CHECKPOINTING:
     return key, ACTIVATION_CHECKPOINTING[value]
   if key == "adapter.exclude_modules" and isinstance(value, str):
     return key, (value,)
@@ -124,7 +124,7 @@ def flat_keys(toml: dict, where: str) -> dict:
   for key, value in toml.items():
     if isinstance(value, dict) and key in SECTIONS:
       flat.update({f"{key}.{k}": v for k, v in value.items()})
-    elif isinstance(value, dict) and f"{key}" not in REFUSED:
+    elif isinstance(value, dict) and key not in REFUSED:
       raise UserError(f"{where}: unknown table [{key}]; diffusion-pipe's tables are "
                       f"{', '.join(f'[{s}]' for s in SECTIONS)}")
     else:
