@@ -4,7 +4,9 @@
 
 Sums the device's kernel and copy events by kind (cuBLAS/Triton matmuls, cuDNN attention, XLA
 fusions, copies) and by name (numbered fusions grouped), and compares the time the GPU was busy
-with the traced wall time: the gap is launch overhead and host work the GPU waited for.
+with the traced wall time: the gap is launch overhead and host work the GPU waited for. With
+`--host N`, the N host events (JAX's and XLA's dispatch, Python) of the longest total time:
+where that host work goes (events nest, so totals overlap).
 """
 import argparse
 import collections
@@ -25,11 +27,22 @@ def kind(name):
   return next((k for k, pattern in KINDS if re.search(pattern, name, re.I)), "other")
 
 
-def device_events(trace):
-  """The complete ('X') events on the GPU timelines of a chrome trace."""
+def device_events(trace, on_gpu=True):
+  """The complete ('X') events on the GPU timelines of a chrome trace (or, `on_gpu` False, on
+  the host's)."""
   gpu = {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "M"
          and e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name", ""))}
-  return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("pid") in gpu]
+  return [e for e in trace["traceEvents"] if e.get("ph") == "X" and (e.get("pid") in gpu) == on_gpu]
+
+
+def by_name(events):
+  """({name: total microseconds}, {name: count}), trailing numbers of names grouped as _N."""
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    name = re.sub(r"[._]?\d+$", "_N", e["name"])
+    total[name] += e["dur"]
+    count[name] += 1
+  return total, count
 
 
 def busy_time(events):
@@ -47,29 +60,34 @@ def main():
   p.add_argument("folder")
   p.add_argument("--top", type=int, default=25)
   p.add_argument("--show", default="", help="print the arguments of a few events of this name")
+  p.add_argument("--host", type=int, default=0, help="also list this many host events")
   a = p.parse_args()
   for path in sorted(glob.glob(os.path.join(a.folder, "**", "*.trace.json.gz"), recursive=True)):
     with gzip.open(path) as f:
-      events = device_events(json.load(f))
+      trace = json.load(f)
+    events = device_events(trace)
     if not events:
       print(f"{path}: no GPU events (was CUPTI available?)")
       continue
     span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
     busy = busy_time(events)
-    by_kind, by_name, count = collections.Counter(), collections.Counter(), collections.Counter()
+    by_kind = collections.Counter()
     for e in events:
-      name = re.sub(r"[._]?\d+$", "_N", e["name"])
       by_kind[kind(e["name"])] += e["dur"]
-      by_name[name] += e["dur"]
-      count[name] += 1
+    totals, count = by_name(events)
     print(f"\n{os.path.relpath(path, a.folder)}: GPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms "
           f"traced ({busy / span:.0%}); {len(events)} device events")
     print("| kind | ms | share of busy |\n|---|---|---|")
     for k, t in by_kind.most_common():
       print(f"| {k} | {t / 1e3:.1f} | {t / busy:.1%} |")
     print("| name | calls | ms | share |\n|---|---|---|---|")
-    for name, t in by_name.most_common(a.top):
+    for name, t in totals.most_common(a.top):
       print(f"| {name[:90]} | {count[name]} | {t / 1e3:.1f} | {t / busy:.1%} |")
+    if a.host:
+      totals, count = by_name(device_events(trace, on_gpu=False))
+      print("| host event | calls | ms | of traced |\n|---|---|---|---|")
+      for name, t in totals.most_common(a.host):
+        print(f"| {name[:90]} | {count[name]} | {t / 1e3:.1f} | {t / span:.1%} |")
     for e in [e for e in events if a.show and a.show in e["name"]][:3]:
       print(e["name"], e["dur"], e.get("args"))
 

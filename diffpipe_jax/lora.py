@@ -9,6 +9,7 @@ LoRA export format, so the exported names come from the same naming rule that lo
 weights, behind the family's `lora_prefix`; a LoRA is read back behind any of `KEY_PREFIXES`
 (diffusion-pipe writes ComfyUI's), from our folders or diffusion-pipe's.
 """
+import functools
 import json
 import os
 import re
@@ -247,3 +248,12 @@ def combine(adapters: Sequence[dict]):
     out[m + ("lora_A",)] = jnp.concatenate([f[m + ("lora_A",)] for f in held], axis=-1)
     out[m + ("lora_B",)] = jnp.concatenate([f[m + ("lora_B",)] for f in held], axis=-2)
   return table.unflatten(out)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def in_dtype(adapter, dtype):
+  """The adapter's arrays in `dtype`. In the compute dtype, a model computes with it as with
+  the original (each Linear converts its LoRA to that dtype, the gradient too) without a
+  conversion per array: under a program per block, each conversion is a kernel launched from
+  the host, thousands a step (BENCHMARKS.md, issue 26)."""
+  return jax.tree.map(lambda a: a.astype(dtype), adapter)

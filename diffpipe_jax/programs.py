@@ -20,10 +20,16 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core
 
 
 CUT_PREFIX = "programs_cut_point__"  # the jit name of a function made by `cut_point`
+KEPT = "programs_kept"  # the checkpoint name of the values a forward program keeps (`keep`)
+# How every program compiles: without XLA's CUDA graphs (command buffers). A program runs once
+# per layer, each time on other buffers, and a graph is updated for new buffers at each call,
+# which costs the host more than the kernel launches it saves (BENCHMARKS.md, issue 26).
+JIT_OPTIONS = dict(compiler_options={"xla_gpu_enable_command_buffer": ""})
 
 
 def cut_point(fn, **jit_options):
@@ -36,11 +42,21 @@ def cut_point(fn, **jit_options):
   return jax.jit(piece, **jit_options)
 
 
-def keeps_for_backward(prim, *_, **__) -> bool:
-  """The residual policy of every piece: keep matmul and attention outputs; recompute the
-  elementwise work between them in the backward program (as XLA does by fusion within one
-  program, where a residual need not be a buffer of its own)."""
-  return prim.name == "dot_general" or prim.name.startswith("dot_product_attention_fwd")
+def keep(x):
+  """x, kept for the backward program by `keeps_for_backward`: a model marks the outputs that
+  the backward pass would otherwise recompute by a matmul (a Linear's output, its base and LoRA
+  matmuls already summed; the LoRA's rank-sized down projection, small, but a kernel launch)."""
+  return checkpoint_name(x, KEPT)
+
+
+def keeps_for_backward(prim, *_, **params) -> bool:
+  """The residual policy of every piece: keep what the model marks (`keep`) and attention's
+  outputs; recompute the elementwise work between them in the backward program (as XLA does by
+  fusion within one program). Keeping every matmul's output would keep a LoRA Linear's output
+  twice (its base and LoRA parts, before they are summed): more memory, and more arrays between
+  programs, each costing host time (BENCHMARKS.md)."""
+  return ((prim.name == "name" and params.get("name") == KEPT)
+          or prim.name.startswith("dot_product_attention_fwd"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +131,8 @@ class _Differentiated:
     self.inexact = [_inexact(a) for a in jaxpr.out_avals]
     # jit's own dispatch is the fastest; every call has the same shapes (those of one trace
     # of the split function), so each traces once and `tree`, `forwarded` stay valid.
-    self.forward, self.backward = jax.jit(self._traced_forward), jax.jit(self._backward)
+    self.forward = jax.jit(self._traced_forward, **JIT_OPTIONS)
+    self.backward = jax.jit(self._backward, **JIT_OPTIONS)
 
   def _vjp(self, diff, rest):
     def outputs(diff):
@@ -188,6 +205,13 @@ class _HostCopies:
     self.finished.append(jax.tree.leaves(outputs)[:1])
 
 
+def _aval(x):
+  """jax.typeof(x) without an array's sharding, which the trace does not read: an array's own
+  aval, ten times faster to get (a step reads thousands)."""
+  aval = getattr(x, "aval", None)
+  return jax.typeof(x) if aval is None else aval
+
+
 def _cached_trace(fn):
   """args -> (values of fn's jaxpr's variables so far, the jaxpr, its pieces, the results' tree,
   {id(piece): positions of its inputs in host memory} for the pieces with any, a dict for the
@@ -196,7 +220,7 @@ def _cached_trace(fn):
 
   def trace(args):
     flat, tree = jax.tree.flatten(args)
-    avals = tuple(map(jax.typeof, flat))
+    avals = tuple(map(_aval, flat))
     if (tree, avals) not in traced:
       closed, shapes = jax.make_jaxpr(lambda *f: fn(*tree.unflatten(f)), return_shape=True)(
           *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
@@ -216,7 +240,7 @@ def _cached_trace(fn):
 def _program(programs, jaxpr):
   """The jitted program of a piece's jaxpr, one for all the pieces that share it."""
   if id(jaxpr) not in programs:
-    programs[id(jaxpr)] = jax.jit(core.jaxpr_as_fun(jaxpr))
+    programs[id(jaxpr)] = jax.jit(core.jaxpr_as_fun(jaxpr), **JIT_OPTIONS)
   return programs[id(jaxpr)]
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from diffpipe_jax import media, programs, stacks
+from diffpipe_jax import lora, media, programs, stacks
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.files import atomic_write
 
@@ -112,6 +112,7 @@ def denoise(model, params, adapter, model_config, conditioning: dict, noise, gri
                                        else v, v]) for k, v in conditioning.items()}
   batch, x = place((conditioning, np.asarray(noise, np.float32)))
   schedule = [jnp.asarray(s) for s in schedule]  # on the device once, not a copy a step
+  adapter = adapter and lora.in_dtype(adapter, model.module.dtype)  # converted once, not a step
   for i in range(steps):
     x = step(adapter, params, batch, x, schedule[i], schedule[i + 1])
     if progress is not None:
@@ -266,7 +267,7 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   prompt at the config's sample settings unless given. Writes `out` (one prompt: a .png or .mp4
   path) or `out`/NN.png|mp4 and NN.txt. Returns the paths written."""
   from tqdm import tqdm
-  from diffpipe_jax import family as family_lib, lora, models, sharding, train, validate
+  from diffpipe_jax import family as family_lib, models, sharding, train, validate
   family = family_lib.get(config.model.type)
   validate.check(config, family)
   if not texts:

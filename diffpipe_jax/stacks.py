@@ -34,7 +34,7 @@ BLOCK_INPUT = "block_input"  # the checkpoint name of each block's input (what p
 REMAT_POLICIES = {
     "none": None, "block": jax.checkpoint_policies.nothing_saveable,
     # keep the matmul outputs, recompute the cheap elementwise work between them
-    "block_save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "block_save_dots": programs.keeps_for_backward,
     # as "block", but each block's input waits for the backward pass in host memory
     "block_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=(), names_which_can_be_offloaded=(BLOCK_INPUT,),

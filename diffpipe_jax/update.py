@@ -91,7 +91,10 @@ def grad_fn(model, config, pipeline=None, unrolled=False):
     # each micro-batch's loss divided by their number inside its programs: the sum is the mean
     loss_and_grad = programs.value_and_grad(lambda adapter, params, batch, key, n: loss(
         adapter, params, batch, key) / n)
-    add = jax.jit(add, donate_argnums=0)
+    # summed in float32, whatever the dtype the adapter (so its gradient) comes in
+    add = jax.jit(lambda total, result: jax.tree.map(
+        lambda t, r: t.astype(jnp.float32) + r.astype(jnp.float32), total, result),
+        **programs.JIT_OPTIONS)
 
     def accumulate(adapter, params, batches, keys):
       total = None
@@ -146,24 +149,41 @@ def make_step(model, config, tx, layout):
   once for all its layers), then one jitted update. One program of every unrolled layer would
   take minutes to compile at full size."""
   grads = grad_fn(model, config, layout.pipeline, unrolled=layout.unrolled)
-  update = functools.partial(apply_gradients, tx=tx)
   if not layout.unrolled:
-    return jax.jit(functools.partial(train_step, grads=grads, update=update), donate_argnums=(0,))
-  update = jax.jit(update, donate_argnums=(0,))
-  compiling = []  # the update's compilation, started by the first step
+    return jax.jit(functools.partial(train_step, grads=grads, update=functools.partial(
+        apply_gradients, tx=tx)), donate_argnums=(0,))
+  compute_dtype = model.module.dtype
 
-  def compiled_update(*args):
-    compiling[0].result()  # (re-raises what failed)
-    return update(*args)  # jit finds its executable compiled
+  def apply_gradients_stacked(state, loss, g):
+    """The update on the stacked LoRA, as the optimizer state is stored; and the new LoRA in
+    the compute dtype, which the next step's programs read (`lora.in_dtype`)."""
+    adapter = stacks.restack(state["lora"])
+    g = jax.tree.map(lambda g, a: g.astype(a.dtype), stacks.restack(g), adapter)
+    new, metrics = apply_gradients(dict(state, lora=adapter), loss, g, tx=tx)
+    new = dict(new, lora=layout.to_stages(new["lora"]))
+    return new, metrics, lora.in_dtype(new["lora"], compute_dtype)
+  update = jax.jit(apply_gradients_stacked, donate_argnums=(0,), **programs.JIT_OPTIONS)
+  compiling = []  # the update's compilation, started by the first step
+  computed = {}  # the LoRA of the last update (its first array) and that LoRA in the compute dtype
 
   def step(state, params, batches, key):
-    # The update of a state stored per layer is a program of thousands of arrays (long to
-    # compile at full size): it compiles in a thread while the first step's programs do.
+    n = jax.tree.leaves(batches)[0].shape[0]
+    # The update of a LoRA stored per layer, a program of a thousand arrays, is long to compile
+    # at full size: it compiles in a thread while the first step's programs do.
     if not compiling:
       specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
       loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(layout.mesh, P()))
-      compiling.append(_COMPILER.submit(lambda: update.lower(specs, loss, specs["lora"]).compile()))
-    return train_step(state, params, batches, key, grads=grads, update=compiled_update)
+      grad_dtype = compute_dtype if n == 1 else jnp.float32  # (`grad_fn` sums in float32)
+      g = jax.tree.map(lambda x: x.update(dtype=grad_dtype), specs["lora"])
+      compiling.append(_COMPILER.submit(lambda: update.lower(specs, loss, g).compile()))
+    first = jax.tree.leaves(state["lora"])[0]
+    if computed.get("of") is not first:  # a state that the last update did not return
+      computed.update(of=first, adapter=lora.in_dtype(state["lora"], compute_dtype))
+    loss, g = grads(computed["adapter"], params, batches, jax.random.split(key, n))
+    compiling[0].result()  # (re-raises what failed; jit then finds the update compiled)
+    state, metrics, computed["adapter"] = update(state, loss, g)
+    computed["of"] = jax.tree.leaves(state["lora"])[0]
+    return state, metrics
   return step
 
 

@@ -128,9 +128,10 @@ def test_trace_summary_counts_overlapping_gpu_work_once(tmp_path):
   with gzip.open(folder / "vm.trace.json.gz", "wt") as f:
     json.dump(dict(traceEvents=events), f)
   out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "trace_summary.py"),
-                        str(tmp_path)], check=True, stdout=subprocess.PIPE, text=True).stdout
+                        str(tmp_path), "--host", "3"], check=True, stdout=subprocess.PIPE, text=True).stdout
   assert "GPU busy 0.8 ms of 1.0 ms traced (80%); 3 device events" in out, out
   assert "| matmul | 0.6 | 75.0% |" in out and "| loop_add_fusion_N | 2 | 0.3 | 37.5% |" in out, out
+  assert "| ThunkExecutor | 1 | 5.0 | 500.0% |" in out, out  # the host's events, listed apart
 
 
 def test_sample_benchmark_smoke():

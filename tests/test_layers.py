@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffpipe_jax import programs
 from diffpipe_jax.models import layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,6 +30,20 @@ def float8_dots(fn, *args):
 def dequantised_rows(x):
   q, scale = layers.quantize_float8(x, axis=-1)
   return q.astype(jnp.float32) * scale
+
+
+def test_a_lora_linear_keeps_its_output_once_for_the_backward_pass(capsys):
+  """Under the programs' residual policy a LoRA Linear keeps its output (base and LoRA summed)
+  and its rank-sized down projection; not the base matmul's output besides."""
+  linear, x = layers.Linear(24), jnp.ones((2, 5, 16))
+  params = linear.init(jax.random.key(0), x)["params"]
+  adapter = {"lora_A": jnp.ones((16, 3)), "lora_B": jnp.ones((3, 24))}
+  loss = jax.checkpoint(lambda a, x: jnp.sin(linear.apply({"params": params, "lora": a}, x)).sum(),
+                        policy=programs.keeps_for_backward)
+  jax.ad_checkpoint.print_saved_residuals(loss, adapter, x)
+  kept = [line.split()[0] for line in capsys.readouterr().out.splitlines() if "from the argument" not in line
+          and "from a constant" not in line]
+  assert kept == ["f32[2,5,3]", "f32[2,5,24]"], kept
 
 
 def test_float8_matmul_quantises_rows_and_runs_in_float8():

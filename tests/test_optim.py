@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from conftest import family_config
-from diffpipe_jax import optim, sharding, update, validate
+from diffpipe_jax import optim, sharding, stacks, update, validate
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 
 # one matrix of 4096 values (8-bit moments in adamw8bit), one smaller (float32 moments)
@@ -165,15 +165,19 @@ def test_optimizer_type_rule():
 
 @pytest.mark.parametrize("kind", optim.OPTIMIZERS)
 def test_optimizer_state_in_every_layout(kind):
-  """The state is laid out as the LoRA (per pipeline stage, per layer unrolled), and its updates
-  there are those of the plain layer layout, on the second step too (read from the state). (The
-  programs differ: with 8-bit moments, a float8 code may round the other way.)"""
+  """The state is laid out as the LoRA (per pipeline stage), and its updates there are those of
+  the plain layer layout, on the second step too (read from the state). (The programs differ:
+  with 8-bit moments, a float8 code may round the other way.) Unrolled, the training state's
+  LoRA is stored per layer, its optimizer state stacked, as the update reads it."""
   shapes = {"blocks": {"lora_A": (5, 256, 16), "lora_B": (5, 16, 64)}, "proj": {"lora_A": (64, 4)}}
   lora, grads = random_tree(8, shapes), [random_tree(9, shapes), random_tree(10, shapes)]
   tx, _ = optim.make(config(kind, "bfloat16"), 100)
   plan = pipeline_lib.make_plan([("blocks", 5, 1.0)], stages=2, microbatches=2)
-  layouts = [sharding.Layout(None, ("blocks",)), sharding.Layout(None, ("blocks",), plan),
-             sharding.Layout(None, ("blocks",), unrolled=True)]
+  layouts = [sharding.Layout(None, ("blocks",)), sharding.Layout(None, ("blocks",), plan)]
+  unrolled = sharding.Layout(None, ("blocks",), unrolled=True).to_stages(
+      dict(lora=lora, opt_state=tx.init(lora)))
+  assert all(isinstance(a, stacks.LayerArrays) for a in unrolled["lora"]["blocks"].values())
+  assert jax.tree.structure(unrolled["opt_state"]) == jax.tree.structure(tx.init(lora))
 
   def second_update(layout):
     params = layout.to_stages(optax.tree.cast(lora, jnp.bfloat16))

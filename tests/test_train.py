@@ -401,6 +401,43 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(loaded):
     models.load(fam.type, path, remat="block_offload", unrolled=True, progress=False)
 
 
+def test_the_unrolled_step_reads_the_lora_in_the_compute_dtype(tiny_models, name=MACHINERY_FAMILY):
+  """Unrolled, the step's programs read the LoRA converted once to the compute dtype (by the
+  update that made it): the same loss and gradient as from the float32 LoRA, and two steps
+  equal the updates applied by hand to the float32 LoRA's gradients."""
+  fam, path = family_lib.get(name), tiny_models(name)["layouts"]["diffusers"]
+  layout = sharding.make_layout(sharding.make_mesh(1), fam.stacks(models.checkpoint_config(
+      fam.type, path)), 1, unrolled=True)
+  model = models.load(fam.type, path, dtype=jnp.bfloat16, unrolled=True, layout=layout, progress=False)
+  config = tiny_config(fam.type)
+  tx, _ = optim.make(config, 10)
+  layer_params = models.abstract_params(fam, model.module, model.config)
+  adapter = jax.tree.map(lambda a: a + 0.01, lora.init(layer_params, fam.lora_targets, 4,
+                                                       jnp.float32, jax.random.key(0)))
+  state = layout.create(functools.partial(update.init_state, layer_params=layer_params,
+                                          config=config, tx=tx, family=fam), None, adapter)
+  batches = [jax.tree.map(lambda x: x[None], fam.random_batch(model.config, 2, seed=s)) for s in (0, 1)]
+  keys = [jax.random.split(jax.random.key(s), 1) for s in (0, 1)]
+  grads = update.grad_fn(model, config, unrolled=True)
+  loss, want = grads(state["lora"], model.params, batches[0], keys[0])
+  loss_bf16, got = grads(lora.in_dtype(state["lora"], jnp.bfloat16), model.params, batches[0], keys[0])
+  assert float(loss_bf16) == float(loss)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(g.astype(jnp.float32), w)
+
+  by_hand = jax.jit(functools.partial(update.apply_gradients, tx=tx))
+  plain = layout.to_layers(state)
+  for batch, key in zip(batches, keys):
+    loss, g = grads(layout.to_stages(plain["lora"]), model.params, batch, key)
+    plain, _ = by_hand(plain, loss, layout.to_layers(g))
+  step = update.make_step(model, config, tx, layout)
+  for s, batch in enumerate(batches):
+    state, _ = step(state, model.params, batch, jax.random.key(s))  # its keys: `keys`
+  for a, b in zip(jax.tree.leaves(layout.to_layers(state["lora"])), jax.tree.leaves(plain["lora"])):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
 def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
   """blocks_to_swap: the swapped layers' weights live in pinned host memory, are never kept as
   residuals for the backward pass (they are copied to the device again), and change nothing;

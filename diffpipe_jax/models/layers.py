@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffpipe_jax import programs
+
 Dtype = Any
 
 
@@ -65,8 +67,8 @@ class Linear(Module):
       if self.lora_dropout > 0:
         keep = jax.random.bernoulli(self.make_rng("dropout"), 1 - self.lora_dropout, x.shape)
         x = jnp.where(keep, x / (1 - self.lora_dropout), 0)
-      y = y + (x @ a.astype(self.dtype)) @ b.astype(self.dtype)
-    return y
+      y = y + programs.keep(x @ a.astype(self.dtype)) @ b.astype(self.dtype)
+    return programs.keep(y)
 
 
 def quantize_float8(x, axis):

@@ -5,9 +5,9 @@ over it, so XLA all-reduces the LoRA gradients. Pipeline parallelism (stages > 1
 `pipeline.py`): the block stacks' weights, LoRA and Adam moments are stored per stage, sharded
 over 'stage'; everything else (embedders, final layers) is replicated. Block swapping (one
 stage): the frozen weights of `blocks_to_swap` blocks, spread evenly over the last stacks, live
-in pinned host memory. Layers unrolled (`unrolled=True`, one stage): every stacked leaf
-(weights, LoRA, Adam moments) is stored one array per layer (`stacks.LayerArrays`), the
-swapped layers' weights in host memory.
+in pinned host memory. Layers unrolled (`unrolled=True`, one stage): the stacked weights and
+LoRA, which the blocks read, are stored one array per layer (`stacks.LayerArrays`), the swapped
+layers' weights in host memory; the optimizer state stays stacked (`STACKED_WHEN_UNROLLED`).
 """
 import dataclasses
 import re
@@ -23,6 +23,10 @@ from diffpipe_jax.stacks import (SWAP_NEEDS_ONE_STAGE, LayerArrays, Swapped, lay
                                  restack, split_layers, swap_positions, unstack)
 
 AXES = ("data", "stage")
+# The state's entries that stay stacked in the unrolled layout: the update, one program, reads it
+# whole, and per-layer arrays would make that call thousands of arrays long, each costing host
+# time a step (BENCHMARKS.md, issue 26).
+STACKED_WHEN_UNROLLED = ("opt_state",)
 
 
 def make_mesh(pipeline_stages: int = 1, devices=None) -> Mesh:
@@ -81,7 +85,8 @@ class Layout:
   def to_stages(self, tree):
     """Plain layer layout -> this layout (identity without a pipeline or `unrolled`); jit-able."""
     if self.unrolled:
-      return pipeline_lib.map_stacked(lambda name, leaf: unstack(leaf), tree, self.stacked)
+      return pipeline_lib.map_stacked(lambda name, leaf: unstack(leaf), tree, self.stacked,
+                                      skip=STACKED_WHEN_UNROLLED)
     return tree if self.plan is None else pipeline_lib.map_stacked(self.plan.to_stages, tree, self.stacked)
 
   def to_layers(self, tree):

@@ -198,11 +198,14 @@ def is_stacked_path(path, names) -> str | None:
   return None
 
 
-def map_stacked(fn, tree, names):
-  """Applies fn(stack name, leaf) to the leaves under a stack (LoRA, Adam moments alike)."""
+def map_stacked(fn, tree, names, skip=()):
+  """Applies fn(stack name, leaf) to the leaves under a stack (LoRA, Adam moments alike), but
+  those under a key in `skip`."""
   def visit(path, leaf):
     name = is_stacked_path(path, names)
-    return leaf if name is None or not hasattr(leaf, "shape") or leaf.ndim == 0 else fn(name, leaf)
+    if name is None or not hasattr(leaf, "shape") or leaf.ndim == 0 or is_stacked_path(path, skip):
+      return leaf
+    return fn(name, leaf)
   return jax.tree_util.tree_map_with_path(visit, tree)
 
 
