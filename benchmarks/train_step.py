@@ -1,5 +1,5 @@
 """A family's LoRA training step: the project's real step in several memory modes and any
-(data, stage) device layouts, beside the family's PyTorch peer, in one call.
+(data, stage[, seq]) device layouts, beside the family's PyTorch peer, in one call.
 
   python benchmarks/train_step.py --peer ../shared/bench/peer_torch_flux.py
   python benchmarks/train_step.py --modes "per-block remat" --layouts 1x1,2x1,1x2 --microbatches 8
@@ -141,15 +141,18 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
   import jax.numpy as jnp
   from diffpipe_jax import family as family_lib, models, optim, sharding, update
 
-  data, stages = map(int, layout_name.split("x"))
+  data, stages, seq = map(int, (layout_name.split("x") + ["1"])[:3])
   fam, shape = family_lib.get(a.model), SHAPES[a.model](a)
   config = importlib.import_module(f"configs.{a.model.replace('-', '_')}").get_config("")
   config.adapter.rank = a.rank
   dtype = jnp.float32 if a.smoke else jnp.bfloat16
-  devices = jax.devices()[:data * stages]
-  if len(devices) < data * stages:
-    raise SystemExit(f"layout {layout_name} needs {data * stages} devices, {len(devices)} visible")
-  layout = sharding.make_layout(sharding.make_mesh(stages, devices), fam.stacks(shape.cfg),
+  devices = jax.devices()[:data * stages * seq]
+  if len(devices) < data * stages * seq:
+    raise SystemExit(f"layout {layout_name} needs {data * stages * seq} devices, {len(devices)} visible")
+  mesh = sharding.make_mesh(stages, devices, seq)
+  if seq > 1:
+    jax.set_mesh(mesh)  # what this process (one run) traces splits its tokens (`sequence.parallel`)
+  layout = sharding.make_layout(mesh, fam.stacks(shape.cfg),
                                 a.microbatches, int(blocks_to_swap), MODES[mode].get("unrolled", False),
                                 **({"tick_overhead": a.tick_overhead} if a.tick_overhead else {}))
   if layout.plan:
@@ -289,7 +292,8 @@ def main():
   p.add_argument("--peer", default="", help="path of the family's peer (peer_torch_flux.py, "
                  "peer_torch_video.py): run it too, --ckpt 0 and 1")
   p.add_argument("--modes", default=",".join(m for m in MODES if "(" not in m))
-  p.add_argument("--layouts", default="1x1", help="(data)x(stage) meshes, comma-separated: 1x1,2x1,1x2")
+  p.add_argument("--layouts", default="1x1", help="(data)x(stage)[x(seq)] meshes, comma-separated: "
+                 "1x1,2x1,1x2,1x1x2")
   p.add_argument("--batch", type=int, default=1, help="samples a micro-batch and data replica")
   p.add_argument("--microbatches", type=int, default=1,
                  help="micro-batches a step (gradient accumulation; the pipeline's microbatches)")

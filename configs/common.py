@@ -24,6 +24,9 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.eval_micro_batch_size_per_gpu = 0  # 0: as micro_batch_size_per_gpu
   c.eval_gradient_accumulation_steps = 1
   c.pipeline_stages = 1  # devices per pipeline; data parallel over the rest
+  # devices over which every block's tokens are split (attention all-to-all over the heads, as
+  # Ulysses), for sequences too long for one device; composes with data and pipeline parallelism
+  c.sequence_parallel = 1
   # (): each block stack spread evenly over the stages; or the first layer of stages 1, 2, ...
   # in diffusion-pipe's numbering of the model's layers (layer 0 its input embedding); every
   # stage then stores as many layers of a stack as its fullest stage (README)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from diffpipe_jax import programs
+from diffpipe_jax import programs, sequence
 from diffpipe_jax.errors import UserError
 
 LAYER_WEIGHTS = "layer_weights"  # the checkpoint name of one layer's slice of the stacked weights
@@ -191,10 +191,12 @@ def layer_from_bytes(buffer, like):
 
 
 def apply_block(block: nn.Module, x, params, lora, args, key, i):
-  """Layer i of a stack of `block`s (dropout key: `key` folded with i)."""
+  """Layer i of a stack of `block`s (dropout key: `key` folded with i), its input and output
+  split along the tokens under sequence parallelism (`sequence`)."""
   variables = {"params": params, **({"lora": lora} if lora is not None else {})}
   rngs = None if key is None else {"dropout": jax.random.fold_in(key, i)}
-  return block.apply(variables, checkpoint_name(x, BLOCK_INPUT), *args, rngs=rngs)
+  x = checkpoint_name(sequence.over_tokens(x), BLOCK_INPUT)
+  return sequence.over_tokens(block.apply(variables, x, *args, rngs=rngs))
 
 
 # One unrolled layer: in a jitted function it is inlined (traced and lowered once for all of a

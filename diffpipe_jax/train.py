@@ -15,7 +15,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from diffpipe_jax import checkpoint, data, errors, lora, media, models, optim, sample, sharding, stacks, tiny, validate
+from diffpipe_jax import (checkpoint, data, errors, lora, media, models, optim, sample, sequence,
+                          sharding, stacks, tiny, validate)
 from diffpipe_jax import family as family_lib, metrics as metrics_lib
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.update import EVAL_QUANTILES, init_state, make_eval, make_step
@@ -80,6 +81,14 @@ def prepare_paths(config, family) -> str:
       print(f"writing the embedded tiny {'video' if videos else 'image'} set to {folder}")
       (tiny.write_video_dataset if videos else tiny.write_image_dataset)(folder, **options)
   return path
+
+
+def check_adapter_targets(config, family, path):
+  """The LoRA's targets less `adapter.exclude_modules` (`lora.select_targets`), checked on the
+  checkpoint's shapes before the datasets are cached rather than after."""
+  cfg = models.checkpoint_config(family.type, path)
+  lora.select_targets(models.abstract_params(family, family.make_module(cfg), cfg),
+                      family.lora_targets, config.adapter.exclude_modules)
 
 
 def eval_settings(train_settings, entry):
@@ -221,8 +230,9 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   metrics_lib.check_wandb(config)
 
   # ---------------------------------------------------------------- mesh
-  mesh = sharding.make_mesh(config.pipeline_stages)
+  mesh = sharding.make_mesh(config.pipeline_stages, sequence_parallel=config.sequence_parallel)
   data_parallel = mesh.shape["data"]
+  on_exit.enter_context(sequence.parallel(mesh))  # what is traced splits its tokens over 'seq'
 
   # ---------------------------------------------------------------- a resumed run's directory
   run_dir = None
@@ -237,6 +247,8 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   # it, then read them. The encoders load their models only when something needs encoding (and
   # for samples the VAE alone, when decoding).
   path = prepare_paths(config, family) if is_main_process else None
+  if path is not None:
+    check_adapter_targets(config, family, path)
   encoders = family_lib.torch_side(family).load_encoders(config.model)
   cached = prompts = None
   if is_main_process:

@@ -5,6 +5,7 @@ unrolled, as programs per block (`programs`). Pure JAX: `train.run` drives it, a
 benchmarks run it without the data stack.
 """
 import concurrent.futures
+import contextlib
 import functools
 
 import jax
@@ -175,7 +176,7 @@ def make_step(model, config, tx, layout):
       loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(layout.mesh, P()))
       grad_dtype = compute_dtype if n == 1 else jnp.float32  # (`grad_fn` sums in float32)
       g = jax.tree.map(lambda x: x.update(dtype=grad_dtype), specs["lora"])
-      compiling.append(_COMPILER.submit(lambda: update.lower(specs, loss, g).compile()))
+      compiling.append(_COMPILER.submit(in_context(lambda: update.lower(specs, loss, g).compile())))
     first = jax.tree.leaves(state["lora"])[0]
     if computed.get("of") is not first:  # a state that the last update did not return
       computed.update(of=first, adapter=lora.in_dtype(state["lora"], compute_dtype))
@@ -188,6 +189,17 @@ def make_step(model, config, tx, layout):
 
 
 _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
+
+
+def in_context(fn):
+  """fn, to run in another thread within this thread's mesh context (`sequence.parallel`), which
+  jit's cache keys hold."""
+  mesh = jax.sharding.get_mesh()
+
+  def run():
+    with contextlib.nullcontext() if mesh.empty else jax.set_mesh(mesh):
+      return fn()
+  return run
 
 
 def make_eval(model, config, layout):

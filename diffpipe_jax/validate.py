@@ -43,6 +43,7 @@ RULES = {
     "uncond_fraction": PROBABILITY,
     "x_axis_examples": FLAG,
     "pipeline_stages": integer(1),
+    "sequence_parallel": integer(1),
     "gradient_accumulation_steps": integer(1),
     "gradient_clipping": number(0),
     "warmup_steps": integer(0),

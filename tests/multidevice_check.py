@@ -1,8 +1,9 @@
 """Run in its own process with 8 fake CPU devices (see test_sharding.py), for a family's tiny
 model (`multidevice_check.py <model type> <checkpoint> <layouts>`, layouts such as
-"2x1,1x2,8x1u,2x2@4": data x stages, u for unrolled layers, @ diffusion-pipe's partition_split,
-":"-separated): on every layout the loss and LoRA gradients of a step, and a short training run,
-equal one device's.
+"2x1,1x2,8x1u,2x2@4,2x1x4": data x stages [x sequence_parallel], u for unrolled layers, @
+diffusion-pipe's partition_split, ":"-separated): on every layout the loss and LoRA gradients of
+a step, and a short training run, equal one device's; with sequence parallelism the step's
+program holds the attention's all-to-alls.
 
 The tiny models' stacks are a few blocks deep (Flux: 2 double and 3 single blocks), so 2, 4 and
 8 stages split unevenly and carry padding layers."""
@@ -17,17 +18,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from conftest import family_config  # noqa: E402
-from diffpipe_jax import family as family_lib, lora, models, optim, sharding, update  # noqa: E402
+from diffpipe_jax import family as family_lib, lora, models, optim, sequence, sharding, update  # noqa: E402
 
 
 def parse_layouts(text):
-  """"2x1,8x1u,1x4@2:4:5" -> ((2, 1, False, ()), (8, 1, True, ()), (1, 4, False, (2, 4, 5))):
-  (data, stage, unrolled, partition_split) each."""
+  """"2x1,8x1u,1x4@2:4:5,2x1x4u" -> ((2, 1, 1, False, ()), (8, 1, 1, True, ()),
+  (1, 4, 1, False, (2, 4, 5)), (2, 1, 4, True, ())): (data, stage, seq, unrolled,
+  partition_split) each."""
   def parse(layout):
     layout, _, split = layout.partition("@")
-    data, stage = layout.split("x")
+    unrolled = layout.endswith("u")
+    data, stage, seq = (layout.rstrip("u").split("x") + ["1"])[:3]
     split = tuple(int(a) for a in split.split(":") if a)
-    return int(data), int(stage.rstrip("u")), stage.endswith("u"), split
+    return int(data), int(stage), int(seq), unrolled, split
   return tuple(map(parse, text.split(",")))
 
 
@@ -43,9 +46,14 @@ def batches_for(fam, cfg, step, mesh, batch=32, accum=4):
   return sharding.global_batch(mesh, local)
 
 
-def run(fam, path, config, data, stages, unrolled=False, partition_split=(), steps=3, accum=4):
+def run(fam, path, config, data, stages, seq=1, unrolled=False, partition_split=(), steps=3, accum=4):
   """(step-0 loss, step-0 LoRA gradients, losses of `steps` updates, final LoRA), plain layout."""
-  mesh = sharding.make_mesh(stages, jax.devices()[:data * stages])
+  mesh = sharding.make_mesh(stages, jax.devices()[:data * stages * seq], seq)
+  with sequence.parallel(mesh):
+    return run_on(mesh, fam, path, config, stages, unrolled, partition_split, steps, accum)
+
+
+def run_on(mesh, fam, path, config, stages, unrolled, partition_split, steps, accum):
   layout = sharding.make_layout(mesh, fam.stacks(models.checkpoint_config(fam.type, path)), accum,
                                 unrolled=unrolled, partition_split=partition_split,
                                 layers_around_stacks=fam.layers_around_stacks)
@@ -59,8 +67,10 @@ def run(fam, path, config, data, stages, unrolled=False, partition_split=(), ste
   grads = update.grad_fn(model, config, layout.pipeline, unrolled=layout.unrolled)
   step = update.make_step(model, config, tx, layout)  # unrolled: split into programs per block
   keys = jax.random.split(jax.random.key(99), accum)
-  loss0, grads0 = (grads if layout.unrolled else jax.jit(grads))(
-      state["lora"], model.params, batches_for(fam, model.config, 0, mesh), keys)
+  args = (state["lora"], model.params, batches_for(fam, model.config, 0, mesh), keys)
+  loss0, grads0 = (grads if layout.unrolled else jax.jit(grads))(*args)
+  if mesh.shape["seq"] > 1 and not layout.unrolled:
+    assert "all-to-all" in jax.jit(grads).lower(*args).compile().as_text()
   losses, compiles = [], len(UPDATE_COMPILES)
   for i in range(steps):
     state, m = step(state, model.params, batches_for(fam, model.config, i, mesh), jax.random.key(i))
@@ -76,8 +86,8 @@ def main(model_type, path, layouts):
   fam, config = family_lib.get(model_type), family_config(model_type)
   rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
   ref_loss, ref_grads, ref_losses, ref_lora, _ = run(fam, path, config, 1, 1)
-  for data, stages, unrolled, split in parse_layouts(layouts):
-    loss, grads, losses, adapter, layout = run(fam, path, config, data, stages, unrolled, split)
+  for data, stages, seq, unrolled, split in parse_layouts(layouts):
+    loss, grads, losses, adapter, layout = run(fam, path, config, data, stages, seq, unrolled, split)
     if layout.plan is not None:
       print(layout.plan.describe())
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
@@ -86,7 +96,7 @@ def main(model_type, path, layouts):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(adapter), jax.tree.leaves(ref_lora)):
       assert rel(a, b) <= 1e-5, rel(a, b)  # Adam amplifies noise of near-zero gradients elementwise
-    print(f"(data, stage) = ({data}, {stages}){', unrolled' if unrolled else ''}"
+    print(f"(data, stage, seq) = ({data}, {stages}, {seq}){', unrolled' if unrolled else ''}"
           f"{f', partition_split={list(split)}' if split else ''}: loss, gradients and losses {losses} match one device")
   print("ok")
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import FAMILIES, MACHINERY_FAMILY
-from diffpipe_jax import family as family_lib, sharding
+from diffpipe_jax import family as family_lib, sequence, sharding
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.models import flux
+from diffpipe_jax.models import flux, layers
 from diffpipe_jax.sharding import pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,15 +25,30 @@ DIFFUSION_PIPE_LAYERS = {"flux": 59, "hunyuan-video": 63, "ltx-video": 30}
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_layout_matches_one_device(tiny_models, name):
-  """Data parallelism and pipelines of 2, 4 (with data parallelism) and 8 stages for every family;
-  unrolled layers over 8 data-parallel devices (the same program split for every family) for the
-  machinery's family; Flux's two stages at diffusion-pipe's stage boundaries (`partition_split`)."""
-  layouts = (f"2x1,{TWO_STAGES.get(name, '1x2')},2x4,1x8" + (",8x1u" if name == MACHINERY_FAMILY else ""))
+  """Data parallelism, pipelines of 2 and 8 stages, sequence parallelism over 4 devices and over
+  2 with 2 data-parallel pipelines of 2 stages (2 x 2 x 2) for every family, token counts that
+  do not divide by 4; the machinery's family also unrolled, over 8 data-parallel devices and
+  over 8 sequence-parallel ones; Flux also over 2 sequence-parallel devices, and its two stages
+  at diffusion-pipe's stage boundaries (`partition_split`)."""
+  extra = {MACHINERY_FAMILY: ",8x1u,1x1x8u", "flux": ",1x1x2"}.get(name, "")
+  layouts = f"2x1,{TWO_STAGES.get(name, '1x2')},1x8,1x1x4,2x2x2{extra}"
   out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "multidevice_check.py"), name,
                         tiny_models(name)["layouts"]["diffusers"], layouts],
                        env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True)
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout
+
+
+def test_one_device_of_sequence_parallelism_adds_nothing_to_the_program():
+  """sequence_parallel=1 (the default; one GPU) traces attention and a block as without the
+  'seq' axis: no sharding annotation, the same program."""
+  q = jax.numpy.ones((2, 6, 3, 4))
+  plain = str(jax.make_jaxpr(layers.attention)(q, q, q))
+  with sequence.parallel(sharding.make_mesh(1, jax.devices()[:1], 1)):
+    assert str(jax.make_jaxpr(layers.attention)(q, q, q)) == plain
+  assert "sharding_constraint" not in plain
+  with pytest.raises(UserError, match="pipeline_stages=1 x sequence_parallel=3 does not divide the 1 devices"):
+    sharding.make_mesh(1, jax.devices()[:1], 3)
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4, 8])

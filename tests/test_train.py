@@ -236,10 +236,12 @@ def resumes_across_layouts(tmp_path, name, args, losses_a):
   """The run of `test_resume_gives_the_same_run` (its losses `losses_a`) again across layouts."""
   fam = family_lib.get(name)
   path = fam.checkpoint_path(tiny_config(name).model)
-  # 5 steps on a 2-stage pipeline, resumed on 2 data-parallel devices (same global batch),
-  half = run_main(tmp_path, name, "--config.max_steps=5", "--config.pipeline_stages=2", *args,
-                  output="c", devices=2)
+  # 5 steps on a 2-stage pipeline, each stage's tokens split over 2 devices (sequence
+  # parallelism), resumed on 2 data-parallel devices (same global batch),
+  half = run_main(tmp_path, name, "--config.max_steps=5", "--config.pipeline_stages=2",
+                  "--config.sequence_parallel=2", *args, output="c", devices=4)
   assert half.returncode == 0 and f"stage 1: {fam.stacked[0]} " in half.stdout, half.stdout
+  assert "'seq': 2" in half.stdout, half.stdout
   # ... with the layers unrolled (every stacked leaf stored per layer; per-block remat), 2 of
   # the last stack's blocks' weights in host memory, drawing samples (the sampler split into
   # programs per block, its batch over the data axis)
@@ -262,6 +264,10 @@ def test_config_typo_is_a_clear_error(tmp_path, name=MACHINERY_FAMILY):
   assert "Traceback" not in out.stdout, out.stdout  # a user's error is one line
   out = run_main(tmp_path, name, "--config.activation_checkpointing=blok")
   assert out.returncode != 0 and "activation_checkpointing='blok': must be one of" in out.stdout, out.stdout
+  # an exclusion that excludes nothing is refused before the datasets are cached
+  out = run_main(tmp_path, name, "--config.adapter.exclude_modules=('to_qq',)")
+  assert out.returncode != 0 and "entry 'to_qq' excludes no LoRA target" in out.stdout, out.stdout
+  assert not glob.glob(str(tmp_path / "**" / "*.npy"), recursive=True), out.stdout
 
 
 def fake_step(loss, grad_norm):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffpipe_jax import programs
+from diffpipe_jax import programs, sequence
 
 Dtype = Any
 
@@ -231,8 +231,9 @@ def attention(q, k, v, mask=None, implementation: Optional[str] = None):
   takes as it is (a mask would be a bias of [B, N, S_q, S_kv]). The one place attention is
   computed."""
   lengths = None if mask is None else jnp.sum(mask, axis=-1, dtype=jnp.int32)
-  return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
-                                      implementation=implementation)
+  q, k, v = map(sequence.over_heads, (q, k, v))  # (sequence parallelism: all-to-all to the heads)
+  return sequence.over_tokens(jax.nn.dot_product_attention(
+      q, k, v, key_value_seq_lengths=lengths, implementation=implementation))
 
 
 def default_attention_implementation(dtype) -> Optional[str]:

@@ -1,7 +1,8 @@
-"""The device mesh ('data', 'stage') and how arrays are laid out on it, as data.
+"""The device mesh ('data', 'stage', 'seq') and how arrays are laid out on it, as data.
 
 Data parallelism: every batch is split over 'data'; the LoRA and optimizer state are replicated
-over it, so XLA all-reduces the LoRA gradients. Pipeline parallelism (stages > 1, see
+over it, so XLA all-reduces the LoRA gradients. Sequence parallelism: every block's tokens are
+split over 'seq' (`diffpipe_jax.sequence`); weights and state are replicated over it. Pipeline parallelism (stages > 1, see
 `pipeline.py`): the block stacks' weights, LoRA and Adam moments are stored per stage, sharded
 over 'stage'; everything else (embedders, final layers) is replicated. Block swapping (one
 stage): the frozen weights of `blocks_to_swap` blocks, spread evenly over the last stacks, live
@@ -17,26 +18,33 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from diffpipe_jax import sequence
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 from diffpipe_jax.stacks import (SWAP_NEEDS_ONE_STAGE, LayerArrays, Swapped, layer_bytes, pack_layers,
                                  restack, split_layers, swap_positions, unstack)
 
-AXES = ("data", "stage")
+AXES = ("data", "stage", sequence.AXIS)
 # The state's entries that stay stacked in the unrolled layout: the update, one program, reads it
 # whole, and per-layer arrays would make that call thousands of arrays long, each costing host
 # time a step (BENCHMARKS.md, issue 26).
 STACKED_WHEN_UNROLLED = ("opt_state",)
 
 
-def make_mesh(pipeline_stages: int = 1, devices=None) -> Mesh:
-  """A (data, stage) mesh over all devices: data-parallel degree = devices / stages. A stage
-  group is consecutive devices, so that the pipeline's transfers stay within a host."""
+def make_mesh(pipeline_stages: int = 1, devices=None, sequence_parallel: int = 1) -> Mesh:
+  """A (data, stage, seq) mesh over all devices: data-parallel degree = devices / (stages x
+  sequence_parallel). A sequence group, then a stage group, is consecutive devices, so that the
+  attention's all-to-alls and the pipeline's transfers stay within a host."""
   devices = list(devices if devices is not None else jax.devices())
-  if pipeline_stages < 1 or len(devices) % pipeline_stages:
-    raise UserError(f"pipeline_stages={pipeline_stages} does not divide the {len(devices)} devices; "
-                     f"use a divisor of {len(devices)}")
-  grid = np.array(devices).reshape(len(devices) // pipeline_stages, pipeline_stages)
+  group = pipeline_stages * sequence_parallel
+  if pipeline_stages < 1 or sequence_parallel < 1 or len(devices) % group:
+    raise UserError(f"pipeline_stages={pipeline_stages} x sequence_parallel={sequence_parallel} does "
+                    f"not divide the {len(devices)} devices; use a divisor of {len(devices)}")
+  if jax.local_device_count() % sequence_parallel:
+    raise UserError(f"sequence_parallel={sequence_parallel} does not divide the "
+                    f"{jax.local_device_count()} devices of a process; a sequence group is one "
+                    "host's devices")
+  grid = np.array(devices).reshape(len(devices) // group, pipeline_stages, sequence_parallel)
   return Mesh(grid, AXES)
 
 

@@ -232,9 +232,9 @@ class Pipeline:
     in_specs = (batch_spec, [batch_spec] * len(per_sample), jax.tree.map(lambda _: P(), shared),
                 [stage_spec(s.params) for s in stacks], [stage_spec(s.lora) for s in stacks],
                 [P("stage")] * len(stacks), P())
-    body = jax.shard_map(
+    body = jax.shard_map(  # manual over 'data' and 'stage'; 'seq' left to `sequence`'s annotations
         lambda *a: _pipeline(plan, stacks, *a, remat=remat, with_key=key is not None),
-        mesh=self.mesh, in_specs=in_specs, out_specs=batch_spec)
+        mesh=self.mesh, in_specs=in_specs, out_specs=batch_spec, axis_names={"data", "stage"})
     out = body(split(x), [split(a) for a in per_sample], shared, [s.params for s in stacks],
                [s.lora for s in stacks], valids, jax.random.key(0) if key is None else key)
     return out.reshape(x.shape)

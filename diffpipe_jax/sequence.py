@@ -1,0 +1,43 @@
+"""Sequence parallelism over the mesh's 'seq' axis (`sequence_parallel`), by sharding annotations.
+
+Every block's activations [B, tokens, D] are split along their tokens over 'seq' (`over_tokens`,
+at each block's input and output), and attention takes its q, k, v split along their heads
+instead (`over_heads`), its output going back to the tokens: XLA's partitioner makes each change
+an all-to-all, so that each device attends over the whole sequence for its share of the heads
+(Ulysses), while the rest of a block, token by token, runs on its share of the tokens. Token and
+head counts that do not divide by N are padded by the partitioner (uneven sharding; 24 heads
+over 16 devices compute as 32), the padding kept out of every result. Text tokens, masks, RoPE
+tables and per-token timesteps follow the activations they meet. Outside `parallel(mesh)`, or
+with N = 1, the annotations are nothing. Nothing here knows a model family.
+"""
+import contextlib
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+AXIS = "seq"
+
+
+def parallel(mesh):
+  """The context in which traced blocks split their sequence over `mesh`'s 'seq' axis."""
+  return jax.set_mesh(mesh) if dict(mesh.shape).get(AXIS, 1) > 1 else contextlib.nullcontext()
+
+
+def _constrained(x, *axes):
+  """x with its leading dimensions split over the mesh `axes` (None: not split), those of them
+  that a `jax.shard_map` around it has made manual left out (a pipeline's 'data')."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or dict(mesh.shape).get(AXIS, 1) == 1 or AXIS in mesh.manual_axes:
+    return x
+  spec = P(*[None if a in mesh.manual_axes else a for a in axes])
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def over_tokens(x):
+  """x [B, tokens, ...] split along its tokens over 'seq' (its batch over 'data')."""
+  return _constrained(x, "data", AXIS)
+
+
+def over_heads(x):
+  """x [B, tokens, heads, head_dim] split along its heads over 'seq' (its batch over 'data')."""
+  return _constrained(x, "data", None, AXIS)
