@@ -85,7 +85,8 @@ def prepare_paths(config, family) -> str:
 
 def check_adapter_targets(config, family, path):
   """The LoRA's targets less `adapter.exclude_modules` (`lora.select_targets`), checked on the
-  checkpoint's shapes before the datasets are cached rather than after."""
+  checkpoint's shapes before the datasets are cached rather than after (the family's own
+  target patterns match by construction: without exclusions there is nothing to check)."""
   cfg = models.checkpoint_config(family.type, path)
   lora.select_targets(models.abstract_params(family, family.make_module(cfg), cfg),
                       family.lora_targets, config.adapter.exclude_modules)
@@ -247,7 +248,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   # it, then read them. The encoders load their models only when something needs encoding (and
   # for samples the VAE alone, when decoding).
   path = prepare_paths(config, family) if is_main_process else None
-  if path is not None:
+  if path is not None and config.adapter.exclude_modules:
     check_adapter_targets(config, family, path)
   encoders = family_lib.torch_side(family).load_encoders(config.model)
   cached = prompts = None

@@ -5,7 +5,6 @@ unrolled, as programs per block (`programs`). Pure JAX: `train.run` drives it, a
 benchmarks run it without the data stack.
 """
 import concurrent.futures
-import contextlib
 import functools
 
 import jax
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diffpipe_jax import flow, lora, programs, stacks
+from diffpipe_jax import flow, lora, programs, sequence, stacks
 
 
 EVAL_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -176,7 +175,7 @@ def make_step(model, config, tx, layout):
       loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(layout.mesh, P()))
       grad_dtype = compute_dtype if n == 1 else jnp.float32  # (`grad_fn` sums in float32)
       g = jax.tree.map(lambda x: x.update(dtype=grad_dtype), specs["lora"])
-      compiling.append(_COMPILER.submit(in_context(lambda: update.lower(specs, loss, g).compile())))
+      compiling.append(_COMPILER.submit(lambda: compile_in(sequence.parallel(layout.mesh), update, specs, loss, g)))
     first = jax.tree.leaves(state["lora"])[0]
     if computed.get("of") is not first:  # a state that the last update did not return
       computed.update(of=first, adapter=lora.in_dtype(state["lora"], compute_dtype))
@@ -191,15 +190,11 @@ def make_step(model, config, tx, layout):
 _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
 
 
-def in_context(fn):
-  """fn, to run in another thread within this thread's mesh context (`sequence.parallel`), which
-  jit's cache keys hold."""
-  mesh = jax.sharding.get_mesh()
-
-  def run():
-    with contextlib.nullcontext() if mesh.empty else jax.set_mesh(mesh):
-      return fn()
-  return run
+def compile_in(context, fn, *specs):
+  """fn compiled for `specs` in `context` (the mesh context of the thread that will call it:
+  `sequence.parallel`, which jit's cache keys hold), from another thread."""
+  with context:
+    return fn.lower(*specs).compile()
 
 
 def make_eval(model, config, layout):
