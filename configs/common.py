@@ -49,8 +49,9 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   # memory until the backward pass (less memory, slower)
   c.activation_checkpointing = "block"
   # True (one stage; any activation_checkpointing but "block_offload"): the blocks unrolled and
-  # the step run as programs per block, faster and leaner than the scan (False) on GPUs; None:
-  # True where it can be (stacks.unrolled_or_default)
+  # the step run as programs per block; False: scanned, one program. None: the faster of the
+  # two for the run (stacks.unrolled_or_default): unrolled without remat or with blocks_to_swap,
+  # scanned otherwise
   c.unrolled = config_dict.placeholder(bool)
   # Compiled programs (and XLA's GPU autotuning results) kept across runs, so that a relaunch, a
   # resume or another run of the same shapes skips compiling each bucket's step; "" turns it off

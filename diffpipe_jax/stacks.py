@@ -42,11 +42,15 @@ REMAT_POLICIES = {
 SWAP_NEEDS_ONE_STAGE = "blocks_to_swap needs pipeline_stages=1 (a pipeline already divides the weights)"
 
 
-def unrolled_or_default(unrolled: Optional[bool], remat: str, pipelined: bool) -> bool:
-  """`unrolled` as set, or where it is None the fastest mode the run allows: the blocks unrolled
-  on one stage (a faster and leaner step: BENCHMARKS.md), the scan for a pipeline and for
-  "block_offload", which need it."""
-  return (not pipelined and remat != "block_offload") if unrolled is None else unrolled
+def unrolled_or_default(unrolled: Optional[bool], remat: str, pipelined: bool, swapped: bool) -> bool:
+  """`unrolled` as set, or where it is None the faster mode of the run (BENCHMARKS.md, "Scanned
+  or unrolled"): unrolled on one stage without remat (the scan would stack every block's
+  residuals) or with swapped blocks (their copies hidden per layer); otherwise scanned, which a
+  pipeline and "block_offload" need, and which with per-block remat is as fast or faster (its
+  one program is GPU-bound, where the unrolled step's per-block programs wait on the host)."""
+  if unrolled is not None:
+    return unrolled
+  return not pipelined and remat != "block_offload" and (remat == "none" or swapped)
 
 
 def remat_policy(remat: str, unrolled: bool = False, pipelined: bool = False, swapped: bool = False):

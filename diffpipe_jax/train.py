@@ -281,7 +281,8 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   # ---------------------------------------------------------------- model (frozen), on the mesh
   block_stacks = family.stacks(models.checkpoint_config(family.type, path))
   unrolled = stacks.unrolled_or_default(config.unrolled, config.activation_checkpointing,
-                                        pipelined=mesh.shape["stage"] > 1)
+                                        pipelined=mesh.shape["stage"] > 1,
+                                        swapped=config.blocks_to_swap > 0)
   layout = sharding.make_layout(mesh, block_stacks, accum, config.blocks_to_swap, unrolled,
                                 partition_split=config.partition_split,
                                 layers_around_stacks=family.layers_around_stacks)

@@ -119,16 +119,20 @@ def test_main_stops_on_a_bad_value_in_one_line_before_writing_anything(tmp_path)
   assert os.listdir(tmp_path) == []  # no tiny model, no images (imagez is not a tiny default)
 
 
-def test_unrolled_by_default_where_a_run_allows_it():
-  """`unrolled` unset (the released configs): the blocks unrolled on one stage, the scan for a
-  pipeline and for "block_offload"; set, as set (refused where it cannot be)."""
+def test_unrolled_by_default_where_it_is_faster():
+  """`unrolled` unset (the released configs): the blocks unrolled on one stage without remat or
+  with swapped blocks, scanned with per-block remat and for a pipeline and "block_offload";
+  set, as set (refused where it cannot be)."""
   from diffpipe_jax import stacks
   assert family_config("flux", "").unrolled is None
-  assert stacks.unrolled_or_default(None, "block", pipelined=False)
-  assert stacks.unrolled_or_default(None, "none", pipelined=False)
-  assert not stacks.unrolled_or_default(None, "block", pipelined=True)
-  assert not stacks.unrolled_or_default(None, "block_offload", pipelined=False)
-  assert not stacks.unrolled_or_default(False, "block", pipelined=False)
+  assert stacks.unrolled_or_default(None, "none", pipelined=False, swapped=False)
+  assert stacks.unrolled_or_default(None, "block", pipelined=False, swapped=True)
+  assert not stacks.unrolled_or_default(None, "block", pipelined=False, swapped=False)
+  assert not stacks.unrolled_or_default(None, "block_save_dots", pipelined=False, swapped=False)
+  assert not stacks.unrolled_or_default(None, "none", pipelined=True, swapped=False)
+  assert not stacks.unrolled_or_default(None, "block_offload", pipelined=False, swapped=True)
+  assert stacks.unrolled_or_default(True, "block", pipelined=False, swapped=False)
+  assert not stacks.unrolled_or_default(False, "none", pipelined=False, swapped=False)
   for overrides in (dict(pipeline_stages=2), dict(activation_checkpointing="block_offload")):
     config = family_config("flux", "")
     config.update_from_flattened_dict({"dataset.path": "images", **overrides})
