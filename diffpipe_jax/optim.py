@@ -43,8 +43,8 @@ def learning_rate(config, total_steps):
 
 def make(config, total_steps):
   """`optimizer.type` after global-norm clipping, in float32 (the AdamWs without weight decay on
-  1-D parameters); returns (tx, lr_fn). With prodigy, lr_fn multiplies its estimated learning
-  rate (1.0, typically)."""
+  1-D parameters); returns (tx, lr_fn). With prodigy, lr_fn (1.0, typically) multiplies its
+  estimated learning rate, which each step's metrics carry (`update.apply_gradients`)."""
   o = config.optimizer
   kind, lr = o.type.lower(), learning_rate(config, total_steps)
   if kind == "prodigy":

@@ -454,7 +454,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
         warned.add(problem.split(":")[0])
         tqdm.write(f"warning: at step {step} {problem}; training may have diverged (optimizer.lr="
                    f"{config.optimizer.lr:g}?): check the losses and the exported LoRAs")
-      lr = float(lr_fn(step - 1))
+      lr = float(lr_fn(step - 1)) * float(step_metrics.get("estim_lr", 1.0))  # (Prodigy's estimate)
       epoch_losses.append(loss)
       peak_gib = peak_device_memory_gib()
       metrics.write(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,

@@ -127,12 +127,15 @@ def init_state(key, adapter=None, *, layer_params, config, tx, family):
 
 
 def apply_gradients(state, loss, g, *, tx):
-  """The state after one optimizer update with the mean gradient `g`, and the step's metrics.
+  """The state after one optimizer update with the mean gradient `g`, and the step's metrics
+  (with Prodigy, `estim_lr`: the estimate this update used, which multiplies the schedule).
   The (float32) updates are added in float32 and rounded to each LoRA leaf's dtype, which stays."""
   updates, opt_state = tx.update(g, state["opt_state"], state["lora"])
   new_state = dict(lora=optax.apply_updates(state["lora"], updates), opt_state=opt_state,
                    step=state["step"] + 1)
-  return new_state, dict(loss=loss, grad_norm=optax.tree.norm(g))
+  estimate = optax.tree.get(state["opt_state"], "estim_lr")
+  return new_state, dict(loss=loss, grad_norm=optax.tree.norm(g),
+                         **({} if estimate is None else {"estim_lr": estimate}))
 
 
 def train_step(state, params, batches, key, *, grads, update):

@@ -137,6 +137,12 @@ def test_prodigy_estimates_the_learning_rate():
   estimates = [float(optax.tree.get(s["opt_state"], "estim_lr")) for s in states]
   assert lr_fn(50) == 1.0
   assert 1e-6 < estimates[5] < estimates[20] < estimates[-1]  # from its initial 1e-6
+  # each update's metrics carry the estimate it used (train/lr logs the schedule times it)
+  metrics = update.apply_gradients(states[20], 0.0, states[20]["lora"], tx=tx)[1]
+  assert float(metrics["estim_lr"]) == estimates[20]
+  adamw, _ = optim.make(config("adamw"), 100)
+  adamw_state = dict(lora=INIT, opt_state=adamw.init(INIT), step=jnp.zeros((), jnp.int32))
+  assert "estim_lr" not in update.apply_gradients(adamw_state, 0.0, INIT, tx=adamw)[1]
   assert mean_distance(state["lora"], TARGET) < 0.3 * mean_distance(INIT, TARGET)
 
 

@@ -126,6 +126,16 @@ def test_lora_dropout_acts_in_training_only(loaded):
   assert loss(0.0, 0) == loss(0.0, 0)
 
 
+def test_prodigy_logs_the_learning_rate_it_uses(tmp_path, monkeypatch):
+  """train/lr is the schedule (1.0) times the estimate Prodigy's update used: its first, 1e-6."""
+  monkeypatch.chdir(tmp_path)
+  run = train.run(tiny_config(MACHINERY_FAMILY, **{
+      "optimizer.type": "prodigy", "optimizer.lr": 1.0, "max_steps": 2, "eval_before_first_step": False,
+      "eval_every_n_epochs": 0, "checkpoint_every_n_steps": 0, "output_dir": str(tmp_path / "run")}))
+  lrs = [m["train/lr"] for m in read_metrics(run)]
+  assert len(lrs) == 2 and lrs[0] == pytest.approx(1e-6), lrs
+
+
 def read_metrics(run_dir, tag="train/loss"):
   """The lines of metrics.jsonl that hold `tag` (by default, the training steps')."""
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
