@@ -6,10 +6,12 @@ into the latents and captions into the embeddings its transformer reads, and say
 
 Format, in `<dataset dir>/cache/<model>/`:
 
-  manifest.json                     identity, and per bucket: its shard, keys, latent grid
+  manifest.json                     identity, and per bucket: its shard, keys, latent grid and
+                                    empty-caption shard
   <bucket>/<shard>.<field>.npy      one fixed-shape array per field, a row per item
   <bucket>/<shard>.json             the shard's sidecar: fingerprints and keys of its rows
-  empty/<shard>.*                   the empty-caption embeddings (for caption dropout)
+  empty/<shard>.*                   the empty caption's embeddings (for caption dropout), one
+                                    shard per frame count of the buckets
 
 Why: plain `.npy` opens with `np.load(mmap_mode='r')`, so a training step reads just its rows
 from the page cache with no decoding and no copy, and every bucket's items share one shape. Each
@@ -123,7 +125,7 @@ def compact(cache_dir, name, live, rows, shards):
 def collect_garbage(cache_dir, manifest):
   """Deletes every file and folder the manifest does not name (stale shards, temporaries)."""
   keep = {(name, b["shard"]) for name, b in manifest["buckets"].items()}
-  keep.add((EMPTY, manifest["empty"]))
+  keep |= {(EMPTY, b["empty"]) for b in manifest["buckets"].values()}
   for name in os.listdir(cache_dir):
     folder = os.path.join(cache_dir, name)
     if not os.path.isdir(folder):
@@ -137,11 +139,23 @@ def collect_garbage(cache_dir, manifest):
       os.rmdir(folder)
 
 
+def empty_caption(cache_dir, encoders, identity, frames, rows) -> str:
+  """The shard of the empty caption encoded as the captions of media of `frames` frames are (a
+  family may prompt its text encoder differently for images and videos), written if missing: a
+  cache of an earlier version (one empty caption, for images, keyed without frames) gains them."""
+  fp = fingerprint(identity, dict(key="", caption="", bucket=(frames,)))
+  if fp not in rows:
+    sid = write_shard(os.path.join(cache_dir, EMPTY), encoders.encode_text([""], frames=frames),
+                      dict(fingerprints=[fp], keys=[""], bucket=[frames], grid=[]))
+    rows[fp] = (sid, 0, None)
+  return rows[fp][0]
+
+
 def build_cache(cache_dir, items, encoders, batch_size, regenerate=False) -> "Cache":
   """Encodes the items not already cached, drops the ones no longer listed, and returns the cache.
 
   `items`: dicts with `key` (the caller's fingerprint of the file and its settings), `caption`,
-  `bucket` (hashable, e.g. (width, height, frames)) and `load_pixels()` -> float32 [F, H, W, 3]
+  `bucket` ((width, height, frames)) and `load_pixels()` -> float32 [F, H, W, 3]
   in [-1, 1] at the bucket's size. Items with equal fingerprints are encoded and stored once."""
   with locks.waiting(os.path.normpath(cache_dir) + ".lock", what=f"the dataset cache {cache_dir}"):
     return update_cache(cache_dir, items, encoders, batch_size, regenerate)
@@ -177,26 +191,23 @@ def update_cache(cache_dir, items, encoders, batch_size, regenerate) -> "Cache":
         bar.update(len(chunk))
   for note in encoders.truncation_notes():  # once per cache, not once per batch
     logging.warning("%s: %s", cache_dir, note)
-  empty_fp = fingerprint(identity, dict(key="", caption="", bucket=()))
-  if empty_fp not in rows:
-    sid = write_shard(os.path.join(cache_dir, EMPTY), encoders.encode_text([""]),
-                      dict(fingerprints=[empty_fp], keys=[""], bucket=[], grid=[]))
-    rows[empty_fp] = (sid, 0, None)
   by_bucket = {}
   for fp, item in wanted.items():
     by_bucket.setdefault(bucket_name(item["bucket"]), []).append((item["key"], fp))
   buckets, shards = {}, committed_shards(cache_dir)
   for name, live in sorted(by_bucket.items()):
     sid, meta = compact(cache_dir, name, sorted(live), rows, shards)
-    buckets[name] = dict(shard=sid, bucket=meta["bucket"], grid=meta["grid"], keys=meta["keys"])
-  manifest = dict(version=1, identity=identity, empty=rows[empty_fp][0], buckets=buckets)
+    empty = empty_caption(cache_dir, encoders, identity, meta["bucket"][-1], rows)
+    buckets[name] = dict(shard=sid, bucket=meta["bucket"], grid=meta["grid"], keys=meta["keys"],
+                         empty=empty)
+  manifest = dict(version=2, identity=identity, buckets=buckets)
   write_json(os.path.join(cache_dir, MANIFEST), manifest)
   collect_garbage(cache_dir, manifest)
   return Cache(cache_dir)
 
 
 class Cache:
-  """A finished cache, memory-mapped: buckets, their items in key order, the empty caption."""
+  """A finished cache, memory-mapped: buckets, their items in key order, their empty caption."""
 
   def __init__(self, cache_dir):
     with open(os.path.join(cache_dir, MANIFEST)) as f:
@@ -231,9 +242,10 @@ class Cache:
     name, b = self.entries[tuple(bucket)]
     return {k: v[index] for k, v in self._fields(name, b["shard"]).items()}
 
-  def empty_text(self):
-    """The empty caption's embeddings (every text field), for caption dropout."""
-    return {k: v[0] for k, v in self._fields(EMPTY, self.manifest["empty"]).items()}
+  def empty_text(self, bucket):
+    """The empty caption's embeddings (every text field) as a bucket's captions were encoded,
+    for caption dropout."""
+    return {k: v[0] for k, v in self._fields(EMPTY, self.entries[tuple(bucket)][1]["empty"]).items()}
 
   def __len__(self):
     return sum(len(b["keys"]) for _, b in self.entries.values())

@@ -151,7 +151,7 @@ class Batches:
   """The bucketed, seeded batch schedule over cached directories, and the loading of a batch.
   `global_batch`: the batch of every bucket, or bucket -> its batch. With `uncond_fraction`, that
   fraction of the samples (drawn from the seed and the batch's place) trains on the empty
-  caption's embeddings instead of theirs."""
+  caption's embeddings, encoded as their bucket's captions were, instead of theirs."""
 
   def __init__(self, directories: Sequence[CachedDirectory], global_batch, seed: int,
                position_ids, name="dataset", micro_batches=1, uncond_fraction=0.0):
@@ -208,7 +208,7 @@ class Batches:
     for i in mine:
       directory, row = rows[i]
       item = self.directories[directory].cache.get(bucket, row)
-      items.append({**item, **self.directories[directory].cache.empty_text()} if uncond[i] else item)
+      items.append({**item, **self.directories[directory].cache.empty_text(bucket)} if uncond[i] else item)
     out = {k: np.stack([it[k] for it in items]) for k in items[0]}  # every cached field
     if self.position_ids is not None:
       ids = self.position_ids(self.directories[rows[0][0]].cache.grid(bucket))

@@ -140,9 +140,11 @@ class MetricWriter:
       self.wandb_defined |= values.keys()
     self.wandb.log({**values, **counters}, step=step)
 
-  def close(self):
+  def close(self, failed: bool = False):
+    """`failed`: the run ended in an error or was stopped; W&B then marks its run failed (a
+    non-zero exit code)."""
     if self.enabled:
       self.board.close()
       self.jsonl.close()
       if self.wandb is not None:
-        self.wandb.finish()
+        self.wandb.finish(exit_code=1 if failed else 0)

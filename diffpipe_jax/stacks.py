@@ -53,6 +53,15 @@ def unrolled_or_default(unrolled: Optional[bool], remat: str, pipelined: bool, s
   return not pipelined and remat != "block_offload" and (remat == "none" or swapped)
 
 
+def unrolled_for(config) -> bool:
+  """Whether a run's blocks are unrolled (`unrolled_or_default` of its config), checked against
+  its other settings (`remat_policy`: a UserError where they conflict)."""
+  pipelined, swapped = config.pipeline_stages > 1, config.blocks_to_swap > 0
+  unrolled = unrolled_or_default(config.unrolled, config.activation_checkpointing, pipelined, swapped)
+  remat_policy(config.activation_checkpointing, unrolled, pipelined, swapped)
+  return unrolled
+
+
 def remat_policy(remat: str, unrolled: bool = False, pipelined: bool = False, swapped: bool = False):
   """The jax.checkpoint policy of `activation_checkpointing=remat`, checked against the other
   settings that decide how the blocks run."""

@@ -280,9 +280,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
 
   # ---------------------------------------------------------------- model (frozen), on the mesh
   block_stacks = family.stacks(models.checkpoint_config(family.type, path))
-  unrolled = stacks.unrolled_or_default(config.unrolled, config.activation_checkpointing,
-                                        pipelined=mesh.shape["stage"] > 1,
-                                        swapped=config.blocks_to_swap > 0)
+  unrolled = stacks.unrolled_for(config)
   layout = sharding.make_layout(mesh, block_stacks, accum, config.blocks_to_swap, unrolled,
                                 partition_split=config.partition_split,
                                 layers_around_stacks=family.layers_around_stacks)
@@ -342,9 +340,10 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   step_fn = make_step(model, config, tx, layout)
   eval_fn = make_eval(model, config, layout)
   step = int(state["step"])
+  examples = dataset.examples_seen(step)
   resumed = resume is not None
   metrics = metrics_lib.MetricWriter(run_dir, is_main_process, resumed_at=step if resumed else None,
-                                     resumed_examples=dataset.examples_seen(step) if resumed else None,
+                                     resumed_examples=examples if resumed else None,
                                      config=config)
 
   def run_evals(step):
@@ -413,7 +412,6 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
 
   # ---------------------------------------------------------------- loop
   key = jax.random.key(config.seed + 1)
-  examples = dataset.examples_seen(step)
   last_checkpoint_time, last_saved_step = time.time(), None
   epoch_losses, first_losses, warned = [], [], set()
   if evals and config.eval_before_first_step and step == 0:
@@ -423,6 +421,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
   batch_iter, iter_epoch, schedule, compiled = None, None, None, set()
   stop = StopRequests()
+  failed = True  # until the last export: an error or a stop ends the W&B run as failed
   try:
     while step < total_steps:
       epoch, index = divmod(step, steps_per_epoch)
@@ -496,13 +495,14 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
         raise UserError(f"stopped by {stop.received or 'a signal to another process'} at step "
                         f"{step}: checkpoint {os.path.join(run_dir, checkpoint.STEP_PREFIX)}{step} "
                         "written; continue with --resume_from_checkpoint")
+    if last_saved_step != step:  # always end with an exported LoRA
+      save_lora(f"step{step}" if step % steps_per_epoch else f"epoch{step // steps_per_epoch}")
+    failed = False
   finally:
     stop.restore()
     bar.close()
-    metrics.close()
+    metrics.close(failed)
     if step == 0 and resume is None and is_main_process:  # a failed start: nothing to keep
       shutil.rmtree(run_dir, ignore_errors=True)
-  if last_saved_step != step:  # always end with an exported LoRA
-    save_lora(f"step{step}" if step % steps_per_epoch else f"epoch{step // steps_per_epoch}")
   print(f"done: {step} steps in {run_dir}")
   return run_dir

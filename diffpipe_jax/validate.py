@@ -151,11 +151,7 @@ def value_problems(values: dict, table: dict) -> list:
 def combination_problems(config) -> list:
   problems = []
   try:
-    pipelined = config.pipeline_stages > 1
-    swapped = config.blocks_to_swap > 0
-    stacks.remat_policy(config.activation_checkpointing, stacks.unrolled_or_default(
-        config.unrolled, config.activation_checkpointing, pipelined, swapped),
-        pipelined=pipelined, swapped=swapped)
+    stacks.unrolled_for(config)
   except UserError as e:
     problems.append(str(e))
   if config.model.min_t >= config.model.max_t:

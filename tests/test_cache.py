@@ -1,7 +1,9 @@
 """The latent and text-embedding cache, with every family's encoders (`conftest.FAMILIES`):
 only new or changed items are encoded, an interrupted run resumes, a complete cache never loads
 the encoders. Each family's test file checks its encoders' output against its diffusers pipeline."""
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -99,7 +101,28 @@ def test_regenerate_rebuilds_all(counted, tmp_path):
   c = cache.build_cache(str(tmp_path), make_items(4), counted, batch_size=4, regenerate=True)
   assert counted.encoded() == 8 and len(c) == 4
   empty = counted.encode_text([""])
-  assert {k: v.shape for k, v in c.empty_text().items()} == {k: v.shape[1:] for k, v in empty.items()}
+  assert {k: v.shape for k, v in c.empty_text(BUCKETS[0]).items()} == {k: v.shape[1:] for k, v in empty.items()}
+
+
+def test_a_cache_of_the_previous_format_gains_its_empty_captions(counted, tmp_path):
+  """A cache written when the empty caption was encoded once (for images, named by the manifest
+  alone) gets one per frame count on its next build, without re-encoding its media."""
+  items = make_items(4)
+  cache.build_cache(str(tmp_path), items, counted, batch_size=4)
+  with open(tmp_path / cache.MANIFEST) as f:
+    manifest = json.load(f)
+  shutil.rmtree(tmp_path / cache.EMPTY)
+  old = cache.write_shard(str(tmp_path / cache.EMPTY), counted.encode_text([""]), dict(
+      fingerprints=[cache.fingerprint(counted.identity(), dict(key="", caption="", bucket=()))],
+      keys=[""], bucket=[], grid=[]))
+  for b in manifest["buckets"].values():
+    del b["empty"]
+  cache.write_json(str(tmp_path / cache.MANIFEST), dict(manifest, version=1, empty=old))
+  c = cache.build_cache(str(tmp_path), items, counted, batch_size=4)
+  assert counted.encoded() == 4 and len(c) == 4
+  assert not any(f.startswith(old) for f in os.listdir(tmp_path / cache.EMPTY))  # collected
+  for field, value in counted.encode_text([""]).items():
+    np.testing.assert_array_equal(c.empty_text(BUCKETS[1])[field], value[0])
 
 
 def test_a_complete_cache_never_loads_the_encoders(family_pipeline, encoders, tmp_path):

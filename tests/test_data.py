@@ -95,7 +95,7 @@ def test_batch_size_per_bucket_counts_steps_and_examples(tmp_path, family, encod
 
 def test_uncond_fraction_trains_that_share_on_the_empty_caption(tmp_path, family, encoders):
   dirs = cached(tiny.write_image_dataset(str(tmp_path / "img")), encoders)
-  empty = dirs[0].cache.empty_text()
+  empty = dirs[0].cache.empty_text(dirs[0].cache.buckets()[0][0])  # images only: every bucket's
   batches = lambda p: data.Batches(dirs, 4, 0, family.position_ids, uncond_fraction=p)
   plain, half, resumed = (list(batches(0.0).iterate(0)), list(batches(0.5).iterate(0)),
                           list(batches(0.5).iterate(0, start=1)))

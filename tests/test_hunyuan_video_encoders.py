@@ -13,7 +13,7 @@ from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PRO
 from safetensors.numpy import load_file
 
 from conftest import load_encoders
-from diffpipe_jax import tiny
+from diffpipe_jax import cache, data, tiny
 from diffpipe_jax.convert.tensorfile import write_safetensors
 from diffpipe_jax.encoders import hunyuan_video
 from diffpipe_jax.encoders.hunyuan_video import HunyuanVideoEncoders
@@ -140,6 +140,27 @@ def test_text_is_the_pipelines_and_truncation_is_tallied(encoders, pipe, frames)
   # "x" * 255 and its <|eot_id|> just fit; "y" * 256 loses its <|eot_id|>
   assert llama.startswith("2 of 4 captions are longer than the LLaMA's 256 tokens")
   assert clip.startswith("3 of 4 captions are longer than CLIP's 77 tokens")
+
+
+def test_caption_dropout_takes_the_empty_caption_in_the_rows_template(encoders, pipe, tmp_path):
+  """A dropped caption of a video is the empty caption in the video template, as
+  HunyuanVideoPipeline encodes it; of an image, the empty caption in the image template."""
+  buckets = [(32, 32, 1), (32, 32, 5)]
+  items = [dict(key=str(b), caption="a red pattern", bucket=b,
+                load_pixels=lambda b=b: clips(b[2], 32, 32, batch=1)[0]) for b in buckets]
+  directory = data.CachedDirectory(cache.build_cache(str(tmp_path), items, encoders, batch_size=1), 1)
+  batches = data.Batches([directory], 1, seed=0, position_ids=None, uncond_fraction=1.0)
+  image, video = (batches.load((bucket, [(0, 0)])) for bucket in buckets)
+  template = TEMPLATES[9]
+  with torch.no_grad():
+    embeds, pooled, mask = pipe.encode_prompt(
+        [""], prompt_template=dict(template=template, crop_start=hunyuan_video.crop_start(
+            encoders.tokenizer, template)), device="cpu", max_sequence_length=256)
+  np.testing.assert_allclose(video["text"], embeds.numpy(), rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(video["text_mask"], mask.float().numpy())
+  np.testing.assert_allclose(video["pooled"], pooled.numpy(), rtol=1e-6, atol=1e-6)
+  assert np.abs(image["text"] - video["text"]).max() > 0.1
+  np.testing.assert_array_equal(image["text"], encoders.encode_text([""], frames=1)["text"])
 
 
 def assert_same_encoders(got, want):

@@ -132,7 +132,7 @@ def build(cache_dir, log):
            for i in range(ITEMS)]
   c = cache.build_cache(cache_dir, items, SlowEncoders(log), batch_size=2)
   arrays = {k: v.tolist() for k, v in c.get((8, 8, 1), np.arange(ITEMS)).items()}
-  empty = {k: v.tolist() for k, v in c.empty_text().items()}
+  empty = {k: v.tolist() for k, v in c.empty_text((8, 8, 1)).items()}
   print(json.dumps(dict(manifest=c.manifest, arrays=arrays, empty=empty)))
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import functools
 import glob
+import importlib.machinery
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +26,8 @@ from safetensors.numpy import load_file
 
 from conftest import (FAMILIES, MACHINERY_FAMILY, diffusers_modules, family_config, load_lora_in_diffusers,
                       xla_flags)
-from diffpipe_jax import checkpoint, family as family_lib, lora, models, optim, sharding, stacks, train, update
+from diffpipe_jax import (checkpoint, data, family as family_lib, lora, models, optim, sharding, stacks,
+                          train, update)
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.convert import table
 from diffpipe_jax.stacks import host_layers, is_layer_arrays, swapped_stacks
@@ -281,9 +284,48 @@ def test_config_typo_is_a_clear_error(tmp_path, name=MACHINERY_FAMILY):
 
 
 def fake_step(loss, grad_norm):
-  """A `make_step` whose step changes nothing and reports `loss` and `grad_norm` (no compile)."""
+  """A `make_step` whose step only counts itself and reports `loss` and `grad_norm` (no compile)."""
   metrics = dict(loss=jnp.float32(loss), grad_norm=jnp.float32(grad_norm))
-  return lambda *args: lambda state, params, batches, key: (state, metrics)
+  return lambda *args: lambda state, params, batches, key: (dict(state, step=state["step"] + 1), metrics)
+
+
+def fake_wandb(monkeypatch):
+  """A wandb module whose runs log nothing and record the exit code each finishes with."""
+  finished = []
+  run = types.SimpleNamespace(log=lambda *args, **kwargs: None, define_metric=lambda *args, **kwargs: None,
+                              finish=lambda exit_code=None: finished.append(exit_code))
+  wandb = types.ModuleType("wandb")
+  wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # libraries look for it on import
+  wandb.Settings, wandb.init, wandb.errors = dict, lambda **kwargs: run, types.SimpleNamespace(Error=Exception)
+  monkeypatch.setitem(sys.modules, "wandb", wandb)
+  return finished
+
+
+def test_wandb_finishes_a_failed_run_with_a_non_zero_exit_code(tmp_path, monkeypatch, name=MACHINERY_FAMILY):
+  monkeypatch.chdir(tmp_path)
+  finished = fake_wandb(monkeypatch)
+  config = tiny_config(name, **{"output_dir": str(tmp_path / "out"), "eval_before_first_step": False,
+                                "max_steps": 1, "monitoring.enable_wandb": True})
+  monkeypatch.setattr(train, "make_step", fake_step(loss=1.0, grad_norm=1.0))
+  train.run(config)
+  monkeypatch.setattr(train, "make_step", fake_step(loss=float("nan"), grad_norm=1.0))
+  with pytest.raises(UserError, match="non-finite loss"):
+    train.run(config)
+  assert finished == [0, 1]
+
+
+def test_a_resumed_start_counts_the_examples_seen_once(tmp_path, monkeypatch, name=MACHINERY_FAMILY):
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(train, "make_step", fake_step(loss=1.0, grad_norm=1.0))
+  config = tiny_config(name, output_dir=str(tmp_path / "out"), eval_before_first_step=False,
+                       eval_every_n_epochs=0, max_steps=2)
+  train.run(config)
+  counted, examples_seen = [], data.Batches.examples_seen
+  monkeypatch.setattr(data.Batches, "examples_seen",
+                      lambda self, step: counted.append(step) or examples_seen(self, step))
+  config.max_steps = 3
+  train.run(config, resume="latest")
+  assert counted == [2]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -133,7 +133,13 @@ def test_unrolled_by_default_where_it_is_faster():
   assert not stacks.unrolled_or_default(None, "block_offload", pipelined=False, swapped=True)
   assert stacks.unrolled_or_default(True, "block", pipelined=False, swapped=False)
   assert not stacks.unrolled_or_default(False, "none", pipelined=False, swapped=False)
-  for overrides in (dict(pipeline_stages=2), dict(activation_checkpointing="block_offload")):
+  for overrides, unrolled in ((dict(pipeline_stages=2), False), (dict(blocks_to_swap=2), True),
+                              (dict(activation_checkpointing="block_offload"), False),
+                              (dict(activation_checkpointing="none"), True)):
     config = family_config("flux", "")
     config.update_from_flattened_dict({"dataset.path": "images", **overrides})
+    assert stacks.unrolled_for(config) == unrolled  # what a run of this config does
     assert validate.combination_problems(config) == []
+  config.update_from_flattened_dict({"unrolled": True, "pipeline_stages": 2})
+  with pytest.raises(UserError, match="set unrolled=False"):
+    stacks.unrolled_for(config)
