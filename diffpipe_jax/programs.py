@@ -237,10 +237,10 @@ def _cached_trace(fn):
   return trace
 
 
-def _program(programs, jaxpr):
+def _program(programs, jaxpr, jit_options=JIT_OPTIONS):
   """The jitted program of a piece's jaxpr, one for all the pieces that share it."""
   if id(jaxpr) not in programs:
-    programs[id(jaxpr)] = jax.jit(core.jaxpr_as_fun(jaxpr), **JIT_OPTIONS)
+    programs[id(jaxpr)] = jax.jit(core.jaxpr_as_fun(jaxpr), **jit_options)
   return programs[id(jaxpr)]
 
 
@@ -277,13 +277,15 @@ def _run_pieces(env, steps, host, call, finished):
       del env[v]
 
 
-def split(fn):
-  """fn (same arguments and results), run piece by piece (`pieces`)."""
+def split(fn, jit_options=JIT_OPTIONS):
+  """fn (same arguments and results), run piece by piece (`pieces`), each program jitted with
+  `jit_options`."""
   trace = _cached_trace(fn)
 
   def run(*args):
     env, jaxpr, steps, out_tree, host, programs = trace(args)
-    _run_pieces(env, steps, host, lambda piece, _, ins: _program(programs, piece.jaxpr)(*ins),
+    _run_pieces(env, steps, host,
+                lambda piece, _, ins: _program(programs, piece.jaxpr, jit_options)(*ins),
                 collections.deque(maxlen=COPY_WAIT))
     return out_tree.unflatten([_read(env, v) for v in jaxpr.outvars])
   return run

@@ -64,6 +64,14 @@ def sigmas(scheduler: dict, steps: int, tokens: int, to_zero: bool) -> np.ndarra
   return np.append(s.astype(np.float32), np.float32(0))
 
 
+# How a sampling step compiles: as every program (`programs.JIT_OPTIONS`), and without XLA's
+# dot merger, which joins the Linears that read one input (q, k, v; the MLP's input) into one
+# matmul against the concatenation of their kernels, copying those weights at every call
+# (BENCHMARKS.md, "Sampling"; in the training step it neither helps nor costs).
+JIT_OPTIONS = dict(compiler_options={**programs.JIT_OPTIONS["compiler_options"],
+                                     "xla_gpu_dot_merger_threshold_mb": 0})
+
+
 def step_fn(model, model_config, guidance: float, pipeline=None, split=False):
   """(adapter, params, batch, x, sigma, sigma_next) -> x after one Euler step of the pipeline,
   in one program: the model's velocity at sigma with the adapter (None: the base model), with
@@ -88,7 +96,7 @@ def step_fn(model, model_config, guidance: float, pipeline=None, split=False):
       uncond, cond = jnp.split(v, 2)
       v = uncond + guidance * (cond - uncond)
     return x + (sigma_next - sigma) * v
-  return programs.split(step) if split else jax.jit(step)
+  return programs.split(step, JIT_OPTIONS) if split else jax.jit(step, **JIT_OPTIONS)
 
 
 def denoise(model, params, adapter, model_config, conditioning: dict, noise, grid, steps: int,

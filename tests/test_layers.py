@@ -1,4 +1,4 @@
-"""Shared layers: the float8 matmul of a float8 base, the XLA flags set on import, masked cross
+"""Shared layers: a Linear of parts, the float8 matmul of a float8 base, the XLA flags set on import, masked cross
 attention and the double- and single-stream blocks (text after the image) against diffusers'
 modules."""
 import os
@@ -44,6 +44,22 @@ def test_a_lora_linear_keeps_its_output_once_for_the_backward_pass(capsys):
   kept = [line.split()[0] for line in capsys.readouterr().out.splitlines() if "from the argument" not in line
           and "from a constant" not in line]
   assert kept == ["f32[2,5,3]", "f32[2,5,24]"], kept
+
+
+def test_a_linear_of_parts_is_the_linear_of_their_concatenation_without_it():
+  """A Linear given a list of arrays computes, base and LoRA, what it computes on their
+  concatenation, and its program concatenates nothing (the single-stream blocks' output)."""
+  linear = layers.Linear(13)
+  keys = jax.random.split(jax.random.key(0), 4)
+  parts = [jax.random.normal(keys[0], (2, 5, 7)), jax.random.normal(keys[1], (2, 5, 11))]
+  joined = jnp.concatenate(parts, -1)
+  variables = {"params": linear.init(keys[2], joined)["params"],
+               "lora": {"lora_A": jax.random.normal(keys[3], (18, 3)),
+                        "lora_B": jax.random.normal(keys[2], (3, 13))}}
+  np.testing.assert_allclose(linear.apply(variables, parts), linear.apply(variables, joined),
+                             rtol=1e-5, atol=1e-5)
+  jaxpr = str(jax.make_jaxpr(lambda ps: linear.apply(variables, ps))(parts))
+  assert "concatenate" not in jaxpr and jaxpr.count("dot_general") == 5
 
 
 def test_float8_matmul_quantises_rows_and_runs_in_float8():

@@ -47,28 +47,44 @@ class Linear(Module):
   r, so scale 1), so base weights and adapter are separate trees: only the adapter is
   differentiated and optimised. See `diffpipe_jax.lora`. A frozen kernel may be stored in
   float8 with a per-output-channel `kernel_scale` (`quantize_float8`); its matmul then runs
-  in float8 (`float8_matmul`).
+  in float8 (`float8_matmul`). Its input is an array or a list of arrays, taken as their
+  concatenation on the last axis, which is then never written out (`matmul_of_parts`: the
+  single-stream blocks' output Linear, BENCHMARKS.md "Sampling").
   """
   features: int
 
   @nn.compact
   def __call__(self, x):
-    kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
-                        self.param_dtype)
+    parts = [p.astype(self.dtype) for p in (x if isinstance(x, (list, tuple)) else [x])]
+    float8 = self.has_variable("params", "kernel_scale")
+    if float8:  # its activations are quantised per row of the whole input
+      parts = [jnp.concatenate(parts, -1)]
+    kernel = self.param("kernel", nn.initializers.lecun_normal(),
+                        (sum(p.shape[-1] for p in parts), self.features), self.param_dtype)
     bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
-    x = x.astype(self.dtype)
-    if self.has_variable("params", "kernel_scale"):
-      y = float8_matmul(x, kernel, self.get_variable("params", "kernel_scale"))
+    if float8:
+      y = float8_matmul(parts[0], kernel, self.get_variable("params", "kernel_scale"))
     else:
-      y = x @ kernel.astype(self.dtype)
+      y = matmul_of_parts(parts, kernel.astype(self.dtype))
     y = y + bias.astype(self.dtype)
     if self.has_variable("lora", "lora_A"):
       a, b = self.get_variable("lora", "lora_A"), self.get_variable("lora", "lora_B")
       if self.lora_dropout > 0:
-        keep = jax.random.bernoulli(self.make_rng("dropout"), 1 - self.lora_dropout, x.shape)
-        x = jnp.where(keep, x / (1 - self.lora_dropout), 0)
-      y = y + programs.keep(x @ a.astype(self.dtype)) @ b.astype(self.dtype)
+        keys = jax.random.split(self.make_rng("dropout"), len(parts))
+        parts = [jnp.where(jax.random.bernoulli(key, 1 - self.lora_dropout, p.shape),
+                           p / (1 - self.lora_dropout), 0) for p, key in zip(parts, keys)]
+      y = y + programs.keep(matmul_of_parts(parts, a.astype(self.dtype))) @ b.astype(self.dtype)
     return programs.keep(y)
+
+
+def matmul_of_parts(parts, kernel):
+  """concatenate(parts, -1) @ kernel without the concatenation: each part times its rows of the
+  kernel, summed (each row slice is contiguous, and the sum joins the matmul as its addend)."""
+  if len(parts) == 1:
+    return parts[0] @ kernel
+  starts = np.cumsum([0] + [p.shape[-1] for p in parts])
+  first, *rest = (p @ kernel[start:end] for p, start, end in zip(parts, starts[:-1], starts[1:]))
+  return sum(rest, first)
 
 
 def quantize_float8(x, axis):
@@ -132,8 +148,13 @@ class RMSNorm(Module):
   def __call__(self, x):
     weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
-    return (x32 * weight.astype(jnp.float32)).astype(self.dtype)
+    # The scale is made on its own (one float per row), not fused with the multiply into one
+    # normalising kernel: the multiply then fuses into the kernel of what follows (RoPE), so
+    # the normalised q and k are not written out in float32 and read back (BENCHMARKS.md,
+    # "Sampling").
+    scale = jax.lax.optimization_barrier(
+        jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps))
+    return (x32 * scale * weight.astype(jnp.float32)).astype(self.dtype)
 
 
 def timestep_sinusoids(t, dim=256, max_period=10000.0):
@@ -427,5 +448,5 @@ class SingleStreamBlock(Module):
     q, k, v, mlp = projections(h, names.qkv_mlp, (dim,) * 3 + (int(dim * self.mlp_ratio),), **kw)
     q, k, v = normed_heads(q, k, v, self.heads, names.norms, **kw)
     attn = rope_attention(q, k, v, rope, mask, self.attention_impl)
-    out = Linear(dim, name=names.out, **kw)(jnp.concatenate([attn, nn.gelu(mlp, approximate=True)], -1))
+    out = Linear(dim, name=names.out, **kw)([attn, nn.gelu(mlp, approximate=True)])
     return x + gate[:, None] * out
