@@ -245,7 +245,8 @@ class Cache:
   def empty_text(self, bucket):
     """The empty caption's embeddings (every text field) as a bucket's captions were encoded,
     for caption dropout."""
-    return {k: v[0] for k, v in self._fields(EMPTY, self.entries[tuple(bucket)][1]["empty"]).items()}
+    shard = self.entries[tuple(bucket)][1]["empty"]
+    return {k: v[0] for k, v in self._fields(EMPTY, shard).items()}
 
   def __len__(self):
     return sum(len(b["keys"]) for _, b in self.entries.values())

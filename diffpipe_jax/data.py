@@ -208,7 +208,8 @@ class Batches:
     for i in mine:
       directory, row = rows[i]
       item = self.directories[directory].cache.get(bucket, row)
-      items.append({**item, **self.directories[directory].cache.empty_text(bucket)} if uncond[i] else item)
+      empty = self.directories[directory].cache.empty_text(bucket) if uncond[i] else {}
+      items.append({**item, **empty})
     out = {k: np.stack([it[k] for it in items]) for k in items[0]}  # every cached field
     if self.position_ids is not None:
       ids = self.position_ids(self.directories[rows[0][0]].cache.grid(bucket))

@@ -57,8 +57,9 @@ def unrolled_for(config) -> bool:
   """Whether a run's blocks are unrolled (`unrolled_or_default` of its config), checked against
   its other settings (`remat_policy`: a UserError where they conflict)."""
   pipelined, swapped = config.pipeline_stages > 1, config.blocks_to_swap > 0
-  unrolled = unrolled_or_default(config.unrolled, config.activation_checkpointing, pipelined, swapped)
-  remat_policy(config.activation_checkpointing, unrolled, pipelined, swapped)
+  remat = config.activation_checkpointing
+  unrolled = unrolled_or_default(config.unrolled, remat, pipelined, swapped)
+  remat_policy(remat, unrolled, pipelined, swapped)
   return unrolled
 
 

@@ -1,6 +1,6 @@
-"""Shared layers: a Linear of parts, the float8 matmul of a float8 base, the XLA flags set on import, masked cross
-attention and the double- and single-stream blocks (text after the image) against diffusers'
-modules."""
+"""Shared layers: a Linear of parts, the float8 matmul of a float8 base, the XLA flags set on
+import, masked cross attention and the double- and single-stream blocks (text after the image)
+against diffusers' modules."""
 import os
 import subprocess
 import sys
