@@ -414,15 +414,15 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   key = jax.random.key(config.seed + 1)
   last_checkpoint_time, last_saved_step = time.time(), None
   epoch_losses, first_losses, warned = [], [], set()
-  if evals and config.eval_before_first_step and step == 0:
-    run_evals(0)
-  if prompts is not None and config.sample_before_first_step and step == 0:
-    run_samples(0)  # the base model (the LoRA starts at zero): what the samples are compared with
   bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
   batch_iter, iter_epoch, schedule, compiled = None, None, None, set()
   stop = StopRequests()
   failed = True  # until the last export: an error or a stop ends the W&B run as failed
   try:
+    if evals and config.eval_before_first_step and step == 0:
+      run_evals(0)
+    if prompts is not None and config.sample_before_first_step and step == 0:
+      run_samples(0)  # the base model (the LoRA starts at zero): what samples are compared with
     while step < total_steps:
       epoch, index = divmod(step, steps_per_epoch)
       if iter_epoch != epoch:  # a new epoch, or a resumed run: the schedule continues exactly

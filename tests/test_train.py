@@ -314,6 +314,21 @@ def test_wandb_finishes_a_failed_run_with_a_non_zero_exit_code(tmp_path, monkeyp
   assert finished == [0, 1]
 
 
+def test_a_failure_in_the_first_evaluation_is_a_failed_start(tmp_path, monkeypatch, name=MACHINERY_FAMILY):
+  """An error in the evaluation before the first step ends the W&B run as failed and keeps no
+  run directory, as an error in the first step does."""
+  monkeypatch.chdir(tmp_path)
+  finished = fake_wandb(monkeypatch)
+
+  def broken(*args):
+    raise RuntimeError("the evaluation broke")
+  monkeypatch.setattr(train, "make_eval", lambda *args: broken)
+  with pytest.raises(RuntimeError, match="the evaluation broke"):
+    train.run(tiny_config(name, **{"output_dir": str(tmp_path / "out"), "eval_before_first_step": True,
+                                   "monitoring.enable_wandb": True}))
+  assert finished == [1] and os.listdir(tmp_path / "out") == []
+
+
 def test_a_resumed_start_counts_the_examples_seen_once(tmp_path, monkeypatch, name=MACHINERY_FAMILY):
   monkeypatch.chdir(tmp_path)
   monkeypatch.setattr(train, "make_step", fake_step(loss=1.0, grad_norm=1.0))
