@@ -145,3 +145,11 @@ def test_sample_benchmark_smoke():
   rows = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.startswith("| ")][1:]
   assert [r[1] for r in rows] == ["diffpipe-jax", "diffusers pipeline"], out
   assert all(float(r[2]) > 0 for r in rows), out
+
+
+def test_kernel_benchmark_smoke():
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_ceilings.py"), "--smoke"],
+                       env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+  rows = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.startswith("| ")][1:]
+  assert len(rows) == 12 + 16 and all(float(r[2]) > 0 for r in rows), out
