@@ -358,7 +358,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
       losses = np.mean(losses, axis=0)
       metrics.write(step, {f"{name}/loss": losses.mean(), **{
           f"{name}/loss_quantile_{q:.2f}": v for q, v in zip(EVAL_QUANTILES, losses)}}, examples=examples)
-      print(f"eval {name} at step {step}: loss {losses.mean():.4f}")
+      tqdm.write(f"eval {name} at step {step}: loss {losses.mean():.4f}")
 
   sample_steps, sample_guidance = sample.defaults(family, config)
   sample_step = prompts and sample.step_fn(model, config.model, sample_guidance, layout.pipeline,
@@ -402,7 +402,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
       with space_for(f"the LoRA {name} in {run_dir}"):
         saved = lora.save(adapter, os.path.join(run_dir, name), family, config.adapter.rank,
                           np.dtype(jnp.dtype(config.save_dtype)))
-      print(f"saved LoRA: {saved}")
+      tqdm.write(f"saved LoRA: {saved}")
 
   def save_checkpoint(step):
     epoch, batch_index = divmod(step, steps_per_epoch)  # where the data continues from
