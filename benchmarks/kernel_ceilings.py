@@ -1,7 +1,8 @@
 """What the library kernels give at the shapes of a Flux step, apart from the model: the Linears
-that read one input as one matmul each or one matmul of their joined kernels (and the weights
-read per second where a matmul has one row: the AdaLN modulations), and softmax
-attention (cuDNN's, through JAX) beside torch's scaled_dot_product_attention on cuDNN. One table.
+that read one input as one matmul each or one matmul of their joined kernels; the AdaLN
+modulations, one row (a step's, as diffusers computes them) or 28 rows (every step's at once, as
+our sampler does: `programs.ahead`), with the weights read per second; and softmax attention
+(cuDNN's, through JAX) beside torch's scaled_dot_product_attention on cuDNN. One table.
 
   python benchmarks/kernel_ceilings.py
 
@@ -24,10 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 PROJECTIONS = (("double block, image q/k/v, 1024px", 4096, (3072,) * 3),
                ("double block, text q/k/v", 512, (3072,) * 3),
                ("single block, q/k/v + MLP in, 1024px", 4608, (3072,) * 3 + (12288,)),
-               ("single block, q/k/v + MLP in, 512px", 1536, (3072,) * 3 + (12288,)),
-               # the AdaLN modulations: one row (the timestep's embedding), weights read once
-               ("double block, image and text modulations", 1, (6 * 3072,) * 2),
-               ("single block, modulation", 1, (3 * 3072,)))
+               ("single block, q/k/v + MLP in, 512px", 1536, (3072,) * 3 + (12288,)))
+# (what, the widths of its modulation Linears), each reading the timestep's embedding (3,072)
+MODULATIONS = (("double block, image and text modulations", (6 * 3072,) * 2),
+               ("single block, modulation", (3 * 3072,)))
+SAMPLING_STEPS = 28
 # (what, tokens, heads, head size): Flux at 1024 and 512, HunyuanVideo 512x512x33, LTX-Video 768x512x121
 ATTENTION = (("Flux 1024px", 4608, 24, 128), ("Flux 512px", 1536, 24, 128),
              ("HunyuanVideo 512x512x33", 9472, 24, 128), ("LTX-Video 768x512x121", 6144, 32, 64))
@@ -71,6 +73,21 @@ def projection_rows(smoke):
   return rows
 
 
+def modulation_rows(smoke):
+  from diffpipe_jax import sample
+  key, rows = jax.random.key(0), []
+  for what, widths in MODULATIONS:
+    dim = 3072 // 96 if smoke else 3072
+    widths = tuple(w * dim // 3072 for w in widths)
+    kernels = [jax.random.normal(key, (dim, w), jnp.bfloat16) * 0.02 for w in widths]
+    matmuls = jax.jit(lambda x, ks: [x @ k for k in ks], **sample.JIT_OPTIONS)
+    tb = 2 * dim * sum(widths) / 1e12
+    for how, steps in (("one step's row", 1), (f"{SAMPLING_STEPS} steps' rows at once", SAMPLING_STEPS)):
+      ms = mean_ms(matmuls, jax.random.normal(key, (steps, dim), jnp.bfloat16), kernels)
+      rows.append((f"{what}: {how}", ms, 2 * steps * dim * sum(widths) / 1e12 / ms * 1e3, tb / ms * 1e3))
+  return rows
+
+
 def attention_rows(smoke):
   import torch
   import torch.nn.functional as F
@@ -111,7 +128,7 @@ def main():
   print(f"Kernels at a Flux step's shapes, bf16, {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print("| kernel | ms | TFLOP/s | weights read, TB/s |")
   print("|---|---|---|---|")
-  for what, ms, rate, read in projection_rows(a.smoke) + attention_rows(a.smoke):
+  for what, ms, rate, read in projection_rows(a.smoke) + modulation_rows(a.smoke) + attention_rows(a.smoke):
     print(f"| {what} | {ms:.3f} | {rate:.1f} | {'-' if read is None else f'{read:.2f}'} |")
 
 

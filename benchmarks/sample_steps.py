@@ -6,10 +6,12 @@ no VAE), on the released shape with random weights in bf16, one call, one table.
   python benchmarks/sample_steps.py --model hunyuan-video --res 512 --frames 33 --steps 50
   python benchmarks/sample_steps.py --model ltx-video --res 512 --width 768 --frames 121 --steps 50
 
-Each side runs in a process of its own (its own peak memory): a warm-up call of 2 steps (ours
-compiles then), then the timed call of `--steps`. LTX-Video runs classifier-free guidance (two
-rows a step) in both; Flux and HunyuanVideo their guidance embedding. Shapes and defaults are
-benchmarks/train_step.py's (`SHAPES`). `--smoke` runs tiny shapes on the CPU to test the script.
+Each side runs in a process of its own (its own peak memory): a warm-up call of `--steps` steps
+(ours compiles then, its program for the modulations of that many steps among them), then the
+timed call of `--steps` (until 2026-12-04's sixth session the warm-up was 2 steps). LTX-Video
+runs classifier-free guidance (two rows a step) in both; Flux and HunyuanVideo their guidance
+embedding. Shapes and defaults are benchmarks/train_step.py's (`SHAPES`). `--smoke` runs tiny
+shapes on the CPU to test the script.
 """
 import argparse
 import dataclasses
@@ -58,12 +60,13 @@ def ours(a):
       model, model.params, None, model_config, conditioning, noise, (tokens,), steps, a.guidance,
       uncond=uncond, step=step))
   t0 = time.perf_counter()
-  run(2)
+  run(a.steps)
   warm = time.perf_counter() - t0
   t0 = time.perf_counter()
   run(a.steps)
   total = time.perf_counter() - t0
   if a.profile:  # two more steps under the profiler, summarised by benchmarks/trace_summary.py
+    run(2)  # (compiling the modulations of 2 steps before the trace)
     jax.profiler.start_trace(a.profile)
     run(2)
     jax.profiler.stop_trace()
@@ -105,7 +108,7 @@ def peer(a):
   sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
   with torch.no_grad():
     t0 = time.perf_counter()
-    run(2)
+    run(a.steps)
     sync()
     warm = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -138,7 +141,7 @@ def main():
   shape = SHAPES[a.model](a)
   print(f"{shape.title}: {a.steps} sampling steps, guidance {a.guidance:g}"
         + (", ours unrolled" if a.unrolled else ""))
-  print("| implementation | total (s) | per step (s) | vs peer | peak memory (GiB) | warm-up, 2 steps (s) |")
+  print("| implementation | total (s) | per step (s) | vs peer | peak memory (GiB) | warm-up, same steps (s) |")
   print("|---|---|---|---|---|---|")
   for side, name in (("ours", "diffpipe-jax"), ("peer", "diffusers pipeline")):
     r = results[side]

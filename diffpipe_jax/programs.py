@@ -12,20 +12,26 @@ dispatches the next ones ahead (as fast as one program: BENCHMARKS.md).
 A block call under `jax.checkpoint` (per-block remat) keeps the residuals its policy saves; an
 input in pinned host memory (a swapped block's frozen weights) is copied to the device a few
 programs before the program that reads it (`_HostCopies`), forward and backward.
+
+`ahead_of_calls` takes the values a function marks `ahead` out of a loop of its calls: one
+program computes them for every call at once.
 """
 import collections
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core
+# jax.checkpoint's own split of a jaxpr into what is known and what is not (`ahead_of_calls`)
+from jax._src.interpreters import partial_eval
 
 
 CUT_PREFIX = "programs_cut_point__"  # the jit name of a function made by `cut_point`
 KEPT = "programs_kept"  # the checkpoint name of the values a forward program keeps (`keep`)
+AHEAD = "programs_ahead"  # the checkpoint name of the values computed ahead of calls (`ahead`)
 # How every program compiles: without XLA's CUDA graphs (command buffers). A program runs once
 # per layer, each time on other buffers, and a graph is updated for new buffers at each call,
 # which costs the host more than the kernel launches it saves (BENCHMARKS.md, issue 26).
@@ -57,6 +63,101 @@ def keeps_for_backward(prim, *_, **params) -> bool:
   programs, each costing host time (BENCHMARKS.md)."""
   return ((prim.name == "name" and params.get("name") == KEPT)
           or prim.name.startswith("dot_product_attention_fwd"))
+
+
+def ahead(x):
+  """x, marked as a value that `ahead_of_calls` computes for a loop's calls all at once: one
+  that depends on what changes from call to call (a sampler's noise level) and on what stays
+  (weights, prompt), but not on what the loop carries (the latents). An AdaLN modulation is one:
+  a matmul of one row (the timestep embedding), which reads a whole kernel for that row."""
+  return checkpoint_name(x, AHEAD)
+
+
+def _is_ahead(prim, *_, **params) -> bool:
+  return prim.name == "name" and params.get("name") == AHEAD
+
+
+@dataclasses.dataclass(frozen=True)
+class _AheadSplit:
+  """A function's jaxpr (its constants as leading inputs) split at its `ahead` values:
+  `before` computes them from the inputs `before_reads` says; `rest` computes the results
+  from them and the inputs `rest_reads` says (of the values, then the inputs)."""
+  consts: list
+  before: core.ClosedJaxpr
+  before_reads: list
+  rest: core.ClosedJaxpr
+  rest_reads: list
+  out_tree: object
+
+
+def _split_ahead(fn, shapes, tree, carried: set) -> _AheadSplit:
+  """fn's jaxpr for arguments of `shapes` (flattened by `tree`) split so that the `ahead`
+  values that do not depend on the `carried` inputs are computed before the rest (by
+  jax.checkpoint's own partial evaluation, its policy saving only those values: whatever
+  else the rest needs of the known inputs, such as a slice of a weight, it computes itself)."""
+  closed, out = jax.make_jaxpr(lambda *f: fn(*tree.unflatten(f)), return_shape=True)(*shapes)
+  jaxpr = partial_eval.convert_constvars_jaxpr(closed.jaxpr)
+  unknown = [False] * len(closed.consts) + [k in carried for k in range(len(shapes))]
+  before, rest, _, _, n_values = partial_eval.partial_eval_jaxpr_custom(
+      jaxpr, unknown, in_inst=True, ensure_out_unknowns=True, ensure_out_inst=True,
+      saveable=_is_ahead)
+  before, before_reads = partial_eval.dce_jaxpr(before, [True] * n_values)
+  rest, rest_reads = partial_eval.dce_jaxpr(rest, [True] * len(rest.outvars))
+  return _AheadSplit(list(closed.consts), core.ClosedJaxpr(before, ()), before_reads,
+                     core.ClosedJaxpr(rest, ()), rest_reads, jax.tree.structure(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class AheadOfCalls:
+  """`ahead_of_calls`' two functions."""
+  values: Callable  # (*args, the varying ones stacked) -> [the `ahead` values of each call]
+  call: Callable  # (the values of a call, *args) -> fn(*args), reading them
+
+
+def ahead_of_calls(fn, carried: int, varying: Sequence[int], jit_options=JIT_OPTIONS) -> AheadOfCalls:
+  """fn(*args) in a loop whose calls differ in the arguments at the positions `varying` and in
+  the one at `carried` (what the loop carries), its `ahead` values taken out of the loop:
+  `values(*args)`, with each varying argument stacked (one row a call), computes those that do
+  not depend on the carried argument for every call in one program (jitted with `jit_options`)
+  and returns each call's; `call(values, *args)` is fn(*args), reading the call's values instead
+  of computing them (a traceable function: jit it, or `split` it). A one-row matmul of each call
+  becomes one matmul of a row a call, which reads its weights once for all of them."""
+  splits, programs = {}, {}
+
+  def split_of(args, stacked: bool) -> tuple:
+    flat, tree = jax.tree.flatten(args)
+    positions = [k for k, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+    # what the trace reads of each argument (not its sharding, which a call's output may add)
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in map(_aval, flat)]
+    if stacked:  # one call's arguments: the varying ones without their leading axis
+      shapes = [s.update(shape=s.shape[1:]) if k in varying else s for s, k in zip(shapes, positions)]
+    key = (tree, tuple((s.shape, s.dtype, s.weak_type) for s in shapes))
+    if key not in splits:
+      splits[key] = _split_ahead(fn, shapes, tree, {j for j, k in enumerate(positions) if k == carried})
+    return splits[key], flat, positions
+
+  def values(*args):
+    split, flat, positions = split_of(args, stacked=True)
+    calls = len(jax.tree.leaves(args[varying[0]])[0])
+    if not split.before.jaxpr.outvars:
+      return [()] * calls
+    known = [j for j, k in enumerate(positions) if k != carried]  # `before`'s inputs, after consts
+    if (id(split), calls) not in programs:
+      axes = [None] * len(split.consts) + [0 if positions[j] in varying else None for j in known]
+      every_call = jax.vmap(core.jaxpr_as_fun(split.before),
+                            in_axes=[a for a, read in zip(axes, split.before_reads) if read])
+      # each call's values as arrays of their own, which its program reads without a slice
+      programs[id(split), calls] = jax.jit(
+          lambda *ins: [tuple(v[n] for v in every_call(*ins)) for n in range(calls)], **jit_options)
+    ins = [x for x, read in zip(split.consts + [flat[j] for j in known], split.before_reads) if read]
+    return programs[id(split), calls](*ins)
+
+  def call(values, *args):
+    split, flat, _ = split_of(args, stacked=False)
+    ins = [x for x, read in zip(list(values) + split.consts + flat, split.rest_reads) if read]
+    return split.out_tree.unflatten(core.jaxpr_as_fun(split.rest)(*ins))
+
+  return AheadOfCalls(values, call)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import tomllib
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -72,13 +72,23 @@ JIT_OPTIONS = dict(compiler_options={**programs.JIT_OPTIONS["compiler_options"],
                                      "xla_gpu_dot_merger_threshold_mb": 0})
 
 
-def step_fn(model, model_config, guidance: float, pipeline=None, split=False):
-  """(adapter, params, batch, x, sigma, sigma_next) -> x after one Euler step of the pipeline,
-  in one program: the model's velocity at sigma with the adapter (None: the base model), with
-  `guidance` embedded (`model.guidance`) or classifier-free (the batch holds the pipeline's
-  [uncond, cond] rows; x the cond half's latents), then x + (sigma_next - sigma) v in float32.
-  In the training layout: through the pipeline as one microbatch, or (`split`, unrolled layers
-  only) as programs per block, which also copy swapped layers' weights to the device."""
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  """A sampler's Euler steps (`step_fn`): `ahead(adapter, params, batch, x, sigmas, next
+  sigmas)` computes what the steps read that the latents do not change (the blocks' AdaLN
+  modulations: `programs.ahead`), for all the steps at once, and returns each step's;
+  `step(its values, adapter, params, batch, x, sigma, sigma_next)` is a step, reading them."""
+  ahead: Callable
+  step: Callable
+
+
+def step_fn(model, model_config, guidance: float, pipeline=None, split=False) -> Steps:
+  """The Euler steps of the pipeline (`Steps`), each one program: the model's velocity at sigma
+  with the adapter (None: the base model), with `guidance` embedded (`model.guidance`) or
+  classifier-free (the batch holds the pipeline's [uncond, cond] rows; x the cond half's
+  latents), then x + (sigma_next - sigma) v in float32. In the training layout: through the
+  pipeline as one microbatch, or (`split`, unrolled layers only) as programs per block, which
+  also copy swapped layers' weights to the device."""
   family = model.family
   run = stacks.run_stacks if pipeline is None else pipeline.single_microbatch().run
   cfg_mode = family.sampling.guidance_mode == "cfg"
@@ -96,11 +106,16 @@ def step_fn(model, model_config, guidance: float, pipeline=None, split=False):
       uncond, cond = jnp.split(v, 2)
       v = uncond + guidance * (cond - uncond)
     return x + (sigma_next - sigma) * v
-  return programs.split(step, JIT_OPTIONS) if split else jax.jit(step, **JIT_OPTIONS)
+  # A modulation reads its whole kernel for one row a step (2% of a Flux step): computed ahead,
+  # it reads it once for all the steps (BENCHMARKS.md, "Sampling").
+  loop = programs.ahead_of_calls(step, carried=3, varying=(4, 5), jit_options=JIT_OPTIONS)
+  return Steps(loop.values, programs.split(loop.call, JIT_OPTIONS) if split
+               else jax.jit(loop.call, **JIT_OPTIONS))
 
 
 def denoise(model, params, adapter, model_config, conditioning: dict, noise, grid, steps: int,
-            guidance: float, uncond: Optional[dict] = None, step=None, place=None, progress=None):
+            guidance: float, uncond: Optional[dict] = None, step: Optional[Steps] = None,
+            place=None, progress=None):
   """Latents from `noise` [B, *latent_shape] (float32): `steps` Euler steps of the family's
   pipeline for a latent `grid` (the encoders' `latent_grid`). `conditioning`: the cached text
   fields of B prompts (and `position_ids`, where the family has them); `uncond`: the empty
@@ -119,10 +134,11 @@ def denoise(model, params, adapter, model_config, conditioning: dict, noise, gri
     conditioning = {k: np.concatenate([np.broadcast_to(uncond[k], (n, *v.shape[1:])) if k in uncond
                                        else v, v]) for k, v in conditioning.items()}
   batch, x = place((conditioning, np.asarray(noise, np.float32)))
-  schedule = [jnp.asarray(s) for s in schedule]  # on the device once, not a copy a step
   adapter = adapter and lora.in_dtype(adapter, model.module.dtype)  # converted once, not a step
+  ahead = step.ahead(adapter, params, batch, x, schedule[:-1], schedule[1:])
+  schedule = [jnp.asarray(s) for s in schedule]  # on the device once, not a copy a step
   for i in range(steps):
-    x = step(adapter, params, batch, x, schedule[i], schedule[i + 1])
+    x = step.step(ahead[i], adapter, params, batch, x, schedule[i], schedule[i + 1])
     if progress is not None:
       progress(i)
   return x

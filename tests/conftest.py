@@ -73,6 +73,17 @@ def flux_checkpoints(tiny_models):
           (("dev", dev), ("schnell", schnell))}
 
 
+def jaxpr_equations(jaxpr):
+  """Every equation of a jaxpr and of the jaxprs its equations call."""
+  import jax
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+          yield from jaxpr_equations(getattr(sub, "jaxpr", sub))
+
+
 def family_config(name, variant="tiny"):
   """configs/<family>.py's config (`name` is the model.type: "ltx-video" -> ltx_video.py)."""
   return importlib.import_module(f"configs.{name.replace('-', '_')}").get_config(variant)

@@ -152,4 +152,4 @@ def test_kernel_benchmark_smoke():
   out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_ceilings.py"), "--smoke"],
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
   rows = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.startswith("| ")][1:]
-  assert len(rows) == 12 + 16 and all(float(r[2]) > 0 for r in rows), out
+  assert len(rows) == 8 + 4 + 16 and all(float(r[2]) > 0 for r in rows), out

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import jaxpr_equations
 from diffpipe_jax import programs, stacks
 
 
@@ -109,3 +110,42 @@ def test_remat_blocks_keep_no_residuals_and_host_weights_are_copied_once_a_pass(
     copied.clear()
     np.testing.assert_allclose(programs.split(fn)(args[0], weights, *args[2:]), want_value, rtol=1e-6)
     assert copied == ["pinned_host"] * len(swapped), copied
+
+
+class Modulated(nn.Module):
+  """A block modulated by an embedding of the time (marked `ahead`), whose matmul reads a slice
+  of its weight, and which marks a value of its input too."""
+  @nn.compact
+  def __call__(self, x, time_embedding):
+    d = x.shape[-1]
+    w = self.param("w", nn.initializers.lecun_normal(), (d, 2 * d))
+    shift, scale = jnp.split(programs.ahead(time_embedding @ w), 2, axis=-1)
+    return x @ w[:, :d] * (1 + scale) + shift + programs.ahead(jnp.mean(x))
+
+
+def modulated_model(weights, x, t):
+  time_embedding = jnp.stack([jnp.cos(t), jnp.sin(t)] * (x.shape[-1] // 2))[None]
+  for i, w in enumerate(weights):
+    x = stacks.block_program(Modulated(), x, {"w": w}, None, (time_embedding,), None, i)
+  return x
+
+
+def test_values_ahead_of_calls_are_computed_once_for_every_call():
+  """What a loop's calls mark `ahead` and compute from the varying argument (t) without the
+  carried one (x) is computed for every call in one program, a row a call; each call then gives
+  what the function gives, computing only the rest: the matmuls of x (with their weight
+  slices), and the marked value that depends on x."""
+  n_layers, width = 3, 4
+  weights = [jax.random.normal(jax.random.key(i), (width, 2 * width)) for i in range(n_layers)]
+  x, ts = jax.random.normal(jax.random.key(9), (2, width)), np.float32([0.9, 0.5, 0.1])
+  loop = programs.ahead_of_calls(modulated_model, carried=1, varying=(2,))
+  values = loop.values(weights, x, ts)
+  assert [[v.shape for v in call] for call in values] == [[(1, 2 * width)] * n_layers] * len(ts)
+  call = jax.jit(loop.call)
+  for n, t in enumerate(ts):
+    want = modulated_model(weights, x, t)
+    np.testing.assert_allclose(call(values[n], weights, x, t), want, rtol=1e-6)
+    np.testing.assert_allclose(programs.split(loop.call)(values[n], weights, x, t), want, rtol=1e-6)
+  eqns = list(jaxpr_equations(jax.make_jaxpr(loop.call)(values[0], weights, x, ts[0]).jaxpr))
+  assert sum(e.primitive.name == "dot_general" for e in eqns) == n_layers  # x @ w[:, :d] only
+  assert sum(e.params.get("name") == programs.AHEAD for e in eqns) == n_layers  # mean(x)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAMILIES, diffusers_hidden_size, family_config, load_encoders
-from diffpipe_jax import family as family_lib, lora, models, sample
+from conftest import FAMILIES, diffusers_hidden_size, family_config, jaxpr_equations, load_encoders
+from diffpipe_jax import family as family_lib, lora, models, programs, sample, sharding
 
 # a size of a few latent tokens per family: (frames, height, width) in pixels
 SIZES = {"flux": (1, 32, 48), "ltx-video": (9, 64, 96), "hunyuan-video": (5, 32, 48)}
@@ -118,6 +118,44 @@ def randomised_adapter(params, fam, patterns, rank, seed):
   leaves, tree = jax.tree.flatten(adapter)
   return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(jax.random.key(seed + i), x.shape)
                                    for i, x in enumerate(leaves)])
+
+
+def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
+  """Every value the model marks `ahead` (its AdaLN modulations) is computed once for all the
+  steps, none in a step; the steps as programs per block over unrolled layers (as the sampling
+  command runs them) give the latents of one program a step over scanned layers."""
+  fam = tiny_model["family"]
+  name, path = fam.type, tiny_model["layouts"]["diffusers"]
+  cfg = models.checkpoint_config(name, path)
+  model_config = family_config(name).model
+  batch = fam.random_batch(cfg, 2)
+  noise = batch.pop("latents")
+  uncond = {k: v[:1] for k, v in batch.items() if k != "position_ids"}
+  calls = []
+
+  def recorded(steps):
+    record = lambda kind, fn: lambda *a: calls.append((kind, a)) or fn(*a)
+    return sample.Steps(record("ahead", steps.ahead), record("step", steps.step))
+  draw = lambda model, steps: np.asarray(sample.denoise(
+      model, model.params, None, model_config, batch, noise, (16,), 3, 4.0, uncond, steps))
+
+  scanned = models.load(name, path, progress=False)
+  steps = sample.step_fn(scanned, model_config, 4.0)
+  latents = draw(scanned, recorded(steps))
+  (_, (_, params, rows, x, *_)), (_, step_args) = calls[:2]
+  marked = lambda closed: sum(e.params.get("name") == programs.AHEAD
+                              for e in jaxpr_equations(closed.jaxpr))
+  latents_of_rows = np.concatenate([x] * (len(rows["text"]) // len(x)))
+  forward = lambda p: scanned.module.apply({"params": p}, **fam.training_inputs(
+      model_config, cfg, rows, latents_of_rows, jnp.ones(len(latents_of_rows))))
+  assert len(step_args[0]) == marked(jax.make_jaxpr(forward)(params)) > 0  # a value a mark
+  assert marked(steps.step.trace(*step_args).jaxpr) == 0
+
+  layout = sharding.make_layout(sharding.make_mesh(1, jax.devices()[:1]), fam.stacks(cfg), 1,
+                                unrolled=True)
+  unrolled = models.load(name, path, unrolled=True, layout=layout, progress=False)
+  np.testing.assert_allclose(draw(unrolled, sample.step_fn(unrolled, model_config, 4.0, split=True)),
+                             latents, rtol=1e-5, atol=1e-6)
 
 
 def test_a_lora_file_is_read_with_its_own_targets_rank_and_alpha(tiny_models, tmp_path):

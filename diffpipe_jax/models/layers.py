@@ -379,8 +379,10 @@ class SingleStreamNames:
 
 
 def adaln_chunks(temb, chunks: int, name: str, **kw):
-  """`linear(silu(temb))` split into `chunks` [B, D] (an AdaLN-Zero modulation)."""
-  return jnp.split(Linear(chunks * temb.shape[-1], name=name, **kw)(nn.silu(temb)), chunks, axis=-1)
+  """`linear(silu(temb))` split into `chunks` [B, D] (an AdaLN-Zero modulation), which a
+  sampler computes ahead of its steps (`programs.ahead`)."""
+  modulation = Linear(chunks * temb.shape[-1], name=name, **kw)(nn.silu(temb))
+  return jnp.split(programs.ahead(modulation), chunks, axis=-1)
 
 
 def rope_attention(q, k, v, rope, mask, implementation):

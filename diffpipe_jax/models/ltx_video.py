@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffpipe_jax import flow, stacks
+from diffpipe_jax import flow, programs, stacks
 from diffpipe_jax.convert.table import Row
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import Family, Sampling, SingleFile, config_dataclass
@@ -204,7 +204,7 @@ class LTXVideo(layers.Transformer):
     batch = x.shape[0]
     sinusoids = layers.timestep_sinusoids(timestep.reshape(-1)).astype(self.dtype)
     emb = layers.MLPEmbedder(c.inner_dim, name="time_embed.emb.timestep_embedder", **kw)(sinusoids)
-    temb = Linear(6 * c.inner_dim, name="time_embed.linear", **kw)(nn.silu(emb))
+    temb = programs.ahead(Linear(6 * c.inner_dim, name="time_embed.linear", **kw)(nn.silu(emb)))
     temb, emb = temb.reshape(batch, -1, temb.shape[-1]), emb.reshape(batch, -1, emb.shape[-1])
     context = layers.MLPEmbedder(c.inner_dim, functools.partial(nn.gelu, approximate=True),
                                  name="caption_projection", **kw)(encoder_hidden_states)
