@@ -12,7 +12,9 @@ shifted as its FlowMatchEulerDiscreteScheduler config says (the diffusers folder
 released model's: `Family.sampling`), x <- x + (sigma_next - sigma) v in float32. Guidance goes
 into the model's guidance embedding or is classifier-free against the empty prompt, as the
 family's pipeline does it. LoRAs are our exports or any file in that format (their targets and
-rank are read from the file), each at a scale; several act as one of the summed ranks.
+rank are read from the file), each at a scale; several act as one of the summed ranks. What a
+step computes from its noise level alone (the blocks' AdaLN modulations) is computed for every
+step at once, before the first (`programs.ahead_of_calls`).
 """
 import copy
 import dataclasses
@@ -106,8 +108,8 @@ def step_fn(model, model_config, guidance: float, pipeline=None, split=False) ->
       uncond, cond = jnp.split(v, 2)
       v = uncond + guidance * (cond - uncond)
     return x + (sigma_next - sigma) * v
-  # A modulation reads its whole kernel for one row a step (2% of a Flux step): computed ahead,
-  # it reads it once for all the steps (BENCHMARKS.md, "Sampling").
+  # A modulation reads its whole kernel for one row a step: computed ahead, it reads it once for
+  # all the steps (BENCHMARKS.md, "Sampling: joined kernels, the gaps, the modulations").
   loop = programs.ahead_of_calls(step, carried=3, varying=(4, 5), jit_options=JIT_OPTIONS)
   return Steps(loop.values, programs.split(loop.call, JIT_OPTIONS) if split
                else jax.jit(loop.call, **JIT_OPTIONS))
