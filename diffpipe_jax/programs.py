@@ -96,7 +96,10 @@ def _split_ahead(fn, shapes, tree, carried: set) -> _AheadSplit:
   jax.checkpoint's own partial evaluation, its policy saving only those values: whatever
   else the rest needs of the known inputs, such as a slice of a weight, it computes itself)."""
   closed, out = jax.make_jaxpr(lambda *f: fn(*tree.unflatten(f)), return_shape=True)(*shapes)
-  jaxpr = partial_eval.convert_constvars_jaxpr(closed.jaxpr)
+  ins = (*closed.jaxpr.constvars, *closed.jaxpr.invars)  # its constants as leading inputs
+  names = core.DebugInfo("programs.ahead_of_calls", "fn", tuple(map(str, ins)),
+                         tuple(map(str, closed.jaxpr.outvars)))
+  jaxpr = core.Jaxpr((), ins, closed.jaxpr.outvars, closed.jaxpr.eqns, closed.jaxpr.effects, names)
   unknown = [False] * len(closed.consts) + [k in carried for k in range(len(shapes))]
   before, rest, _, _, n_values = partial_eval.partial_eval_jaxpr_custom(
       jaxpr, unknown, in_inst=True, ensure_out_unknowns=True, ensure_out_inst=True,
