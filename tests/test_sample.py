@@ -131,18 +131,15 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
   batch = fam.random_batch(cfg, 2)
   noise = batch.pop("latents")
   uncond = {k: v[:1] for k, v in batch.items() if k != "position_ids"}
-  calls = []
-
-  def recorded(steps):
-    record = lambda kind, fn: lambda *a: calls.append((kind, a)) or fn(*a)
-    return sample.Steps(record("ahead", steps.ahead), record("step", steps.step))
+  calls = []  # the arguments of each call of `ahead` and `step`
+  record = lambda fn: lambda *a: calls.append(a) or fn(*a)
   draw = lambda model, steps: np.asarray(sample.denoise(
       model, model.params, None, model_config, batch, noise, (16,), 3, 4.0, uncond, steps))
 
   scanned = models.load(name, path, progress=False)
   steps = sample.step_fn(scanned, model_config, 4.0)
-  latents = draw(scanned, recorded(steps))
-  (_, (_, params, rows, x, *_)), (_, step_args) = calls[:2]
+  latents = draw(scanned, sample.Steps(record(steps.ahead), record(steps.step)))
+  (_, params, rows, x, *_), step_args = calls[:2]
   marked = lambda closed: sum(e.params.get("name") == programs.AHEAD
                               for e in jaxpr_equations(closed.jaxpr))
   latents_of_rows = np.concatenate([x] * (len(rows["text"]) // len(x)))
