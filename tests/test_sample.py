@@ -151,8 +151,14 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
   layout = sharding.make_layout(sharding.make_mesh(1, jax.devices()[:1]), fam.stacks(cfg), 1,
                                 unrolled=True)
   unrolled = models.load(name, path, unrolled=True, layout=layout, progress=False)
-  np.testing.assert_allclose(draw(unrolled, sample.step_fn(unrolled, model_config, 4.0, split=True)),
+  split = sample.step_fn(unrolled, model_config, 4.0, split=True)
+  np.testing.assert_allclose(draw(unrolled, sample.Steps(record(split.ahead), record(split.step))),
                              latents, rtol=1e-5, atol=1e-6)
+  # ... whose layers still share their stack's program
+  blocks = [e.params["jaxpr"] for e in jaxpr_equations(
+      sample.step_fn(unrolled, model_config, 4.0).step.trace(*calls[-1]).jaxpr) if programs.block_call(e)]
+  assert len(blocks) == sum(n for _, n, _ in fam.stacks(cfg))
+  assert len(set(map(id, blocks))) == len(fam.stacks(cfg))
 
 
 def test_a_lora_file_is_read_with_its_own_targets_rank_and_alpha(tiny_models, tmp_path):
