@@ -56,16 +56,24 @@ def torch_mean_ms(fn, reps=30):
   return (time.perf_counter() - t0) / reps * 1e3
 
 
-def projection_rows(smoke):
+def jitted(fn):
+  """fn compiled as the sampling step compiles (`sample.JIT_OPTIONS`)."""
   from diffpipe_jax import sample
+  return jax.jit(fn, **sample.JIT_OPTIONS)
+
+
+def each_matmul(x, kernels):
+  return [x @ k for k in kernels]
+
+
+def projection_rows(smoke):
   key, rows = jax.random.key(0), []
   for what, tokens, widths in PROJECTIONS:
     if smoke:
       tokens, widths = 16, tuple(w // 96 for w in widths)
     x = jax.random.normal(key, (1, tokens, widths[0]), jnp.bfloat16)
     kernels = [jax.random.normal(key, (widths[0], w), jnp.bfloat16) * 0.02 for w in widths]
-    separate = jax.jit(lambda x, ks: [x @ k for k in ks], **sample.JIT_OPTIONS)
-    joined = jax.jit(lambda x, k: x @ k, **sample.JIT_OPTIONS)
+    separate, joined = jitted(each_matmul), jitted(lambda x, k: x @ k)
     tflop, tb = 2 * tokens * widths[0] * sum(widths) / 1e12, 2 * widths[0] * sum(widths) / 1e12
     for how, ms in (("one matmul per Linear", mean_ms(separate, x, kernels)),
                     ("one matmul of the joined kernels", mean_ms(joined, x, jnp.concatenate(kernels, 1)))):
@@ -74,13 +82,12 @@ def projection_rows(smoke):
 
 
 def modulation_rows(smoke):
-  from diffpipe_jax import sample
   key, rows = jax.random.key(0), []
   for what, widths in MODULATIONS:
     dim = 3072 // 96 if smoke else 3072
     widths = tuple(w * dim // 3072 for w in widths)
     kernels = [jax.random.normal(key, (dim, w), jnp.bfloat16) * 0.02 for w in widths]
-    matmuls = jax.jit(lambda x, ks: [x @ k for k in ks], **sample.JIT_OPTIONS)
+    matmuls = jitted(each_matmul)
     tb = 2 * dim * sum(widths) / 1e12
     for how, steps in (("one step's row", 1), (f"{SAMPLING_STEPS} steps' rows at once", SAMPLING_STEPS)):
       ms = mean_ms(matmuls, jax.random.normal(key, (steps, dim), jnp.bfloat16), kernels)

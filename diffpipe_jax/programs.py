@@ -96,10 +96,9 @@ def _split_ahead(fn, shapes, tree, carried: set) -> _AheadSplit:
   jax.checkpoint's own partial evaluation, its policy saving only those values: whatever
   else the rest needs of the known inputs, such as a slice of a weight, it computes itself)."""
   closed, out = jax.make_jaxpr(lambda *f: fn(*tree.unflatten(f)), return_shape=True)(*shapes)
-  ins = (*closed.jaxpr.constvars, *closed.jaxpr.invars)  # its constants as leading inputs
-  names = core.DebugInfo("programs.ahead_of_calls", "fn", tuple(map(str, ins)),
-                         tuple(map(str, closed.jaxpr.outvars)))
-  jaxpr = core.Jaxpr((), ins, closed.jaxpr.outvars, closed.jaxpr.eqns, closed.jaxpr.effects, names)
+  # its constants as leading inputs
+  jaxpr = _jaxpr_of((*closed.jaxpr.constvars, *closed.jaxpr.invars), closed.jaxpr.outvars,
+                    closed.jaxpr.eqns, closed.jaxpr.effects)
   unknown = [False] * len(closed.consts) + [k in carried for k in range(len(shapes))]
   before, rest, _, _, n_values = partial_eval.partial_eval_jaxpr_custom(
       jaxpr, unknown, in_inst=True, ensure_out_unknowns=True, ensure_out_inst=True,
@@ -210,12 +209,17 @@ def pieces(closed) -> list:
                                 if isinstance(v, core.Var) and v not in defined))
       outs = tuple(v for e in eqns for v in e.outvars if v in live)
       effects = frozenset().union(*(e.effects for e in eqns))
-      names = core.DebugInfo("programs.split", "piece", tuple(map(str, ins)), tuple(map(str, outs)))
-      piece = Piece(core.ClosedJaxpr(core.Jaxpr((), ins, outs, eqns, effects, names), ()), ins, outs)
+      piece = Piece(core.ClosedJaxpr(_jaxpr_of(ins, outs, eqns, effects), ()), ins, outs)
     reads = {v for v in piece.ins if isinstance(v, core.Var)}
     out.append(dataclasses.replace(piece, frees=tuple(reads - live)))
     live = (live - defined) | reads
   return out[::-1]
+
+
+def _jaxpr_of(ins, outs, eqns, effects) -> core.Jaxpr:
+  """A jaxpr without constants of equations taken from another, reading `ins`, giving `outs`."""
+  names = core.DebugInfo("programs", "piece", tuple(map(str, ins)), tuple(map(str, outs)))
+  return core.Jaxpr((), ins, outs, eqns, effects, names)
 
 
 def _inexact(aval) -> bool:
