@@ -237,6 +237,9 @@ class _Differentiated:
   def __init__(self, jaxpr, differentiated, policy):
     self.fn, self.differentiated, self.policy = core.jaxpr_as_fun(jaxpr), differentiated, policy
     self.inexact = [_inexact(a) for a in jaxpr.out_avals]
+    self.diff_at = [k for k, d in enumerate(differentiated) if d]  # (positions in the inputs)
+    self.rest_at = [k for k, d in enumerate(differentiated) if not d]
+    self.kept_at = None  # (`kept`)
     # jit's own dispatch is the fastest; every call has the same shapes (those of one trace
     # of the split function), so each traces once and `tree`, `forwarded` stay valid.
     self.forward = jax.jit(self._traced_forward, **JIT_OPTIONS)
@@ -268,13 +271,15 @@ class _Differentiated:
 
   def ordered(self, ins):
     """A piece's inputs as (diff, rest)."""
-    return ([x for x, d in zip(ins, self.differentiated) if d],
-            [x for x, d in zip(ins, self.differentiated) if not d])
+    return [ins[k] for k in self.diff_at], [ins[k] for k in self.rest_at]
 
-  def in_backward_order(self, ins):
-    """A piece's inputs in the order of `backward`'s: diff + rest."""
-    diff, rest = self.ordered(ins)
-    return diff + rest
+  def kept(self, ins):
+    """What the backward program reads again of a piece's inputs, in its order (diff + rest;
+    None where it does not read one), known once the forward program is traced."""
+    if self.kept_at is None:
+      self.kept_at = [k if j in self.needed else None
+                      for j, k in enumerate(self.diff_at + self.rest_at)]
+    return [None if k is None else ins[k] for k in self.kept_at]
 
 
 # A swapped block's weights take a few times its forward pass to copy (BENCHMARKS.md): the
@@ -309,8 +314,8 @@ class _HostCopies:
     return ins if copies is None else [copies.get(k, x) for k, x in enumerate(ins)]
 
   def ran(self, outputs):
-    """Records that the next program was dispatched, with `outputs` (one of them is enough)."""
-    self.finished.append(jax.tree.leaves(outputs)[:1])
+    """Records that the next program was dispatched, with `outputs` (a list: one is enough)."""
+    self.finished.append(outputs[:1])
 
 
 def _aval(x):
@@ -320,10 +325,57 @@ def _aval(x):
   return jax.typeof(x) if aval is None else aval
 
 
+@dataclasses.dataclass(frozen=True)
+class _Trace:
+  """fn traced for one argument tree, shapes and memories and cut into `steps`, its variables
+  numbered: a run's environment is a list (`start`: the constants and literals in place, the
+  arguments to be put from `first_arg`) that each piece reads and writes at positions found
+  here once, so that a step's Python does little besides calling the programs."""
+  jaxpr: core.Jaxpr
+  steps: list
+  out_tree: object
+  start: list
+  first_arg: int
+  reads: list  # for each piece, where its inputs are
+  writes: list  # ... where its outputs go
+  frees: list  # ... what no later piece (nor a result) reads
+  host: dict  # piece index -> the positions of its inputs that are in host memory
+  slot: dict  # variable -> its position
+  programs: dict  # the pieces' programs (`_program`, `_Differentiated`)
+
+  def environment(self, flat_args) -> list:
+    env = list(self.start)
+    env[self.first_arg:self.first_arg + len(flat_args)] = flat_args
+    return env
+
+
+def _numbered(closed, steps, out_tree, in_host) -> _Trace:
+  """The `_Trace` of a closed jaxpr cut into `steps`; `in_host`: its inputs in host memory."""
+  slot, start = {}, []
+
+  def number(atom) -> int:
+    if isinstance(atom, core.Literal):
+      start.append(atom.val)
+      return len(start) - 1
+    if atom not in slot:
+      slot[atom] = len(start)
+      start.append(None)
+    return slot[atom]
+  for v, value in zip(closed.jaxpr.constvars, closed.consts):
+    start[number(v)] = value
+  first_arg = len(start)
+  for v in closed.jaxpr.invars:
+    number(v)
+  host = {n: tuple(k for k, v in enumerate(p.ins) if _in(v, in_host)) for n, p in enumerate(steps)}
+  return _Trace(closed.jaxpr, steps, out_tree, start, first_arg,
+                [tuple(map(number, p.ins)) for p in steps], [tuple(map(number, p.outs)) for p in steps],
+                [tuple(slot[v] for v in p.frees) for p in steps],
+                {n: positions for n, positions in host.items() if positions}, slot, {})
+
+
 def _cached_trace(fn):
-  """args -> (values of fn's jaxpr's variables so far, the jaxpr, its pieces, the results' tree,
-  {id(piece): positions of its inputs in host memory} for the pieces with any, a dict for the
-  pieces' programs), tracing fn once per argument tree, shapes and memories."""
+  """args -> (the environment of a run, the `_Trace` of fn for the argument tree, shapes and
+  memories of args), tracing fn once for each."""
   traced = {}
 
   def trace(args):
@@ -334,14 +386,9 @@ def _cached_trace(fn):
           *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
       in_host = {v for v, a in zip(closed.jaxpr.invars, avals)
                  if a.memory_space == jax.memory.Space.Host}
-      steps = pieces(closed)
-      host = {id(p): tuple(k for k, v in enumerate(p.ins) if _in(v, in_host)) for p in steps}
-      host = {piece: positions for piece, positions in host.items() if positions}
-      traced[tree, avals] = closed, steps, jax.tree.structure(shapes), host, {}
-    closed, steps, out_tree, host, programs = traced[tree, avals]
-    env = dict(zip(closed.jaxpr.constvars, closed.consts))
-    env.update(zip(closed.jaxpr.invars, flat))
-    return env, closed.jaxpr, steps, out_tree, host, programs
+      traced[tree, avals] = _numbered(closed, pieces(closed), jax.tree.structure(shapes), in_host)
+    t = traced[tree, avals]
+    return t.environment(flat), t
   return trace
 
 
@@ -367,22 +414,19 @@ def _in(atom, variables) -> bool:
   return isinstance(atom, core.Var) and atom in variables
 
 
-def _read(env, atom):
-  return atom.val if isinstance(atom, core.Literal) else env[atom]
-
-
-def _run_pieces(env, steps, host, call, finished):
-  """call(piece, its inputs, the same with those in host memory copied to the device) -> its
-  outputs, for each piece in order; `env` keeps only what later pieces (or the results) read."""
-  copies = _HostCopies({n: {k: env[piece.ins[k]] for k in host[id(piece)]}
-                        for n, piece in enumerate(steps) if id(piece) in host}, finished)
-  for n, piece in enumerate(steps):
-    ins = [_read(env, v) for v in piece.ins]
-    outs = _settled(call(piece, ins, copies.inputs(n, ins)))
+def _run_pieces(env, t: _Trace, call, finished):
+  """call(n, piece, its inputs, the same with those in host memory copied to the device) -> its
+  outputs, for each piece n in order; `env` keeps only what later pieces (or the results) read."""
+  copies = _HostCopies({n: {k: env[t.reads[n][k]] for k in positions}
+                        for n, positions in t.host.items()}, finished)
+  for n, (piece, reads, writes, frees) in enumerate(zip(t.steps, t.reads, t.writes, t.frees)):
+    ins = [env[k] for k in reads]
+    outs = _settled(call(n, piece, ins, copies.inputs(n, ins)))
     copies.ran(outs)
-    env.update(zip(piece.outs, outs))
-    for v in piece.frees:
-      del env[v]
+    for k, out in zip(writes, outs):
+      env[k] = out
+    for k in frees:
+      env[k] = None
 
 
 def split(fn, jit_options=JIT_OPTIONS):
@@ -391,21 +435,21 @@ def split(fn, jit_options=JIT_OPTIONS):
   trace = _cached_trace(fn)
 
   def run(*args):
-    env, jaxpr, steps, out_tree, host, programs = trace(args)
-    _run_pieces(env, steps, host,
-                lambda piece, _, ins: _program(programs, piece.jaxpr, jit_options)(*ins),
+    env, t = trace(args)
+    _run_pieces(env, t, lambda n, piece, _, ins: _program(t.programs, piece.jaxpr, jit_options)(*ins),
                 collections.deque(maxlen=COPY_WAIT))
-    return out_tree.unflatten([_read(env, v) for v in jaxpr.outvars])
+    return t.out_tree.unflatten([env[t.slot[v]] if isinstance(v, core.Var) else v.val
+                                 for v in t.jaxpr.outvars])
   return run
 
 
-def _differentiated_inputs(jaxpr, steps, n_diff) -> dict:
-  """id(piece) -> which of its inputs depend on the first `n_diff` inputs of jaxpr (and are
-  inexact), for each piece in order."""
-  carries, plan = set(jaxpr.invars[:n_diff]), {}
+def _differentiated_inputs(jaxpr, steps, n_diff) -> list:
+  """For each piece in order, which of its inputs depend on the first `n_diff` inputs of jaxpr
+  (and are inexact)."""
+  carries, plan = set(jaxpr.invars[:n_diff]), []
   for piece in steps:
-    plan[id(piece)] = tuple(_in(v, carries) and _inexact(v.aval) for v in piece.ins)
-    if any(plan[id(piece)]):
+    plan.append(tuple(_in(v, carries) and _inexact(v.aval) for v in piece.ins))
+    if any(plan[-1]):
       carries.update(piece.outs)
   return plan
 
@@ -414,50 +458,54 @@ def value_and_grad(fn):
   """jax.value_and_grad(fn) (of its first argument, a tree of inexact arrays; fn returns a
   scalar), run piece by piece: forward programs in order, backward programs in reverse."""
   trace = _cached_trace(fn)
-  plans = {}  # id(pieces of a trace) -> `_differentiated_inputs`
+  plans = {}  # id(a trace) -> `_differentiated_inputs`
 
   def run(*args):
-    env, jaxpr, steps, _, host, programs = trace(args)
+    env, t = trace(args)
     n_diff = len(jax.tree.leaves(args[0]))
-    if id(steps) not in plans:
-      plans[id(steps)] = _differentiated_inputs(jaxpr, steps, n_diff)
-    plan, tape, finished = plans[id(steps)], [], collections.deque(maxlen=COPY_WAIT)
+    if id(t) not in plans:
+      plans[id(t)] = _differentiated_inputs(t.jaxpr, t.steps, n_diff)
+    plan, tape, finished = plans[id(t)], [], collections.deque(maxlen=COPY_WAIT)
 
-    def forward(piece, originals, ins):
-      differentiated = plan[id(piece)]
+    def forward(n, piece, originals, ins):
+      differentiated = plan[n]
       if not any(differentiated):
-        return _program(programs, piece.jaxpr)(*ins)
+        return _program(t.programs, piece.jaxpr)(*ins)
       key = (id(piece.jaxpr), differentiated, piece.policy)  # the layers of a stack share one jaxpr
-      if key not in programs:
-        programs[key] = _Differentiated(piece.jaxpr, differentiated, piece.policy)
-      program = programs[key]
+      if key not in t.programs:
+        t.programs[key] = _Differentiated(piece.jaxpr, differentiated, piece.policy)
+      program = t.programs[key]
       outs, residuals = program.forward(*program.ordered(ins))
       # What the backward program reads again; host inputs stay there, to be copied again.
-      kept = [x if k in program.needed else None
-              for k, x in enumerate(program.in_backward_order(originals))]
-      in_host = host.get(id(piece), ())
-      hosts = {j: kept[j] for j, k in enumerate(program.in_backward_order(range(len(ins))))
+      kept = program.kept(originals)
+      in_host = t.host.get(n, ())
+      hosts = {j: kept[j] for j, k in enumerate(program.diff_at + program.rest_at)
                if k in in_host and kept[j] is not None} if in_host else {}
-      tape.append((piece, program, residuals, kept, hosts))
+      tape.append((n, program, residuals, kept, hosts))
       return outs
 
-    _run_pieces(env, steps, host, forward, finished)
-    (loss_var,) = jaxpr.outvars
-    value = _read(env, loss_var)
+    _run_pieces(env, t, forward, finished)
+    (loss_var,) = t.jaxpr.outvars
+    value = env[t.slot[loss_var]]
     del env
-    cts = {loss_var: jnp.ones_like(value)}
-    copies = _HostCopies({n: hosts for n, (*_, hosts) in enumerate(reversed(tape)) if hosts},
+    cts = [None] * len(t.start)  # the cotangent of each variable, where it has one
+    cts[t.slot[loss_var]] = jnp.ones_like(value)
+    copies = _HostCopies({m: hosts for m, (*_, hosts) in enumerate(reversed(tape)) if hosts},
                          finished)
-    for n in range(len(tape)):
-      piece, program, residuals, kept, _ = tape.pop()
-      out_cts = [cts.pop(v) if v in cts else jnp.zeros(v.aval.shape, v.aval.dtype)
-                 for v in piece.outs if _inexact(v.aval)]
-      in_cts = _settled(program.backward(residuals, copies.inputs(n, kept), out_cts))
+    for m in range(len(tape)):
+      n, program, residuals, kept, _ = tape.pop()
+      out_cts = []
+      for v, k in zip(t.steps[n].outs, t.writes[n]):
+        if _inexact(v.aval):
+          out_cts.append(jnp.zeros(v.aval.shape, v.aval.dtype) if cts[k] is None else cts[k])
+          cts[k] = None
+      in_cts = _settled(program.backward(residuals, copies.inputs(m, kept), out_cts))
       copies.ran(in_cts)
       del residuals, kept
-      for v, ct in zip(program.ordered(piece.ins)[0], in_cts):
-        cts[v] = cts[v] + ct if v in cts else ct
-    grads = [cts[v] if v in cts else jnp.zeros(v.aval.shape, v.aval.dtype)
-             for v in jaxpr.invars[:n_diff]]
+      for j, ct in zip(program.diff_at, in_cts):
+        k = t.reads[n][j]
+        cts[k] = ct if cts[k] is None else cts[k] + ct
+    grads = [jnp.zeros(v.aval.shape, v.aval.dtype) if ct is None else ct
+             for v, ct in zip(t.jaxpr.invars[:n_diff], cts[t.first_arg:t.first_arg + n_diff])]
     return value, jax.tree.unflatten(jax.tree.structure(args[0]), grads)
   return run

@@ -81,7 +81,7 @@ def test_remat_blocks_keep_no_residuals_and_host_weights_are_copied_once_a_pass(
   want_value, want_grad = jax.value_and_grad(model)(*args)
   remat = functools.partial(model, remat=nothing)
   steps = programs.pieces(jax.make_jaxpr(remat)(*args))
-  blocks = [piece for piece in steps if piece.policy is nothing]
+  blocks = [n for n, piece in enumerate(steps) if piece.policy is nothing]
   assert len(blocks) == n_layers
   plan = programs._differentiated_inputs(jax.make_jaxpr(remat)(*args).jaxpr, steps,
                                          len(jax.tree.leaves(args[0])))
@@ -89,7 +89,7 @@ def test_remat_blocks_keep_no_residuals_and_host_weights_are_copied_once_a_pass(
   block_args = [h, args[1][0], args[0]["layers"][0], args[3]]
   # keeping what the block marks: the sum of its two matmuls, once (not each matmul's output)
   for policy, residuals in ((nothing, 0), (programs.keeps_for_backward, 1)):
-    program = programs._Differentiated(blocks[0].jaxpr, plan[id(blocks[0])], policy)
+    program = programs._Differentiated(steps[blocks[0]].jaxpr, plan[blocks[0]], policy)
     diff, rest = program.ordered(block_args + [0])
     assert len(program.forward(diff, rest)[1]) == residuals, policy
 
