@@ -50,8 +50,10 @@ def with_single_file(pipeline, path):
 
 
 def pipeline_latents(pipe, pixels):
-  """LTXPipeline's latents of pixels [B, F, H, W, 3]: the posterior mean, normalised, packed."""
-  video = torch.from_numpy(pixels).permute(0, 4, 1, 2, 3)
+  """LTXPipeline's latents of pixels [B, F, H, W, 3]: the posterior mean, normalised, packed. The
+  video is laid out contiguous, as the encoder lays it out: a permuted view makes oneDNN's
+  convolutions sum in another order, 1e-5 away on some CPUs."""
+  video = torch.from_numpy(np.ascontiguousarray(pixels.transpose(0, 4, 1, 2, 3)))
   with torch.no_grad():
     z = pipe.vae.encode(video).latent_dist.mean
   z = pipe._normalize_latents(z, pipe.vae.latents_mean, pipe.vae.latents_std,
