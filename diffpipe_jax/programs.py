@@ -230,7 +230,7 @@ class _Differentiated:
   """A piece's forward and backward programs, for inputs differentiated where `differentiated`
   says, keeping the residuals `policy` saves, compiled at the first call.
   forward(diff, rest) -> (outputs, residuals); backward(residuals, inputs, output cotangents)
-  -> diff cotangents, where `inputs` are diff + rest, of which only those in `needed` are read.
+  -> diff cotangents, where `inputs` are diff + rest, of which only those `kept` are read.
   A residual that is one of the inputs (a frozen weight, the block input) is not returned (XLA
   would copy it) but passed to the backward program again."""
 
@@ -239,9 +239,9 @@ class _Differentiated:
     self.inexact = [_inexact(a) for a in jaxpr.out_avals]
     self.diff_at = [k for k, d in enumerate(differentiated) if d]  # (positions in the inputs)
     self.rest_at = [k for k, d in enumerate(differentiated) if not d]
-    self.kept_at = None  # (`kept`)
+    self.backward_order = self.diff_at + self.rest_at
     # jit's own dispatch is the fastest; every call has the same shapes (those of one trace
-    # of the split function), so each traces once and `tree`, `forwarded` stay valid.
+    # of the split function), so each traces once and `tree`, `forwarded`, `kept_at` stay valid.
     self.forward = jax.jit(self._traced_forward, **JIT_OPTIONS)
     self.backward = jax.jit(self._backward, **JIT_OPTIONS)
 
@@ -261,7 +261,8 @@ class _Differentiated:
     leaves, self.tree = jax.tree.flatten(vjp)
     position = {id(x): k for k, x in enumerate([*diff, *rest])}
     self.forwarded = [position.get(id(leaf)) for leaf in leaves]
-    self.needed = set(self.forwarded)  # the inputs that the backward program reads again
+    needed = set(self.forwarded)  # the inputs that the backward program reads again
+    self.kept_at = [k if j in needed else None for j, k in enumerate(self.backward_order)]
     return outs, [leaf for leaf, k in zip(leaves, self.forwarded) if k is None]
 
   def _backward(self, residuals, inputs, cts):
@@ -276,9 +277,6 @@ class _Differentiated:
   def kept(self, ins):
     """What the backward program reads again of a piece's inputs, in its order (diff + rest;
     None where it does not read one), known once the forward program is traced."""
-    if self.kept_at is None:
-      self.kept_at = [k if j in self.needed else None
-                      for j, k in enumerate(self.diff_at + self.rest_at)]
     return [None if k is None else ins[k] for k in self.kept_at]
 
 
@@ -340,7 +338,7 @@ class _Trace:
   writes: list  # ... where its outputs go
   frees: list  # ... what no later piece (nor a result) reads
   host: dict  # piece index -> the positions of its inputs that are in host memory
-  slot: dict  # variable -> its position
+  results: tuple  # where fn's results are
   programs: dict  # the pieces' programs (`_program`, `_Differentiated`)
 
   def environment(self, flat_args) -> list:
@@ -370,7 +368,8 @@ def _numbered(closed, steps, out_tree, in_host) -> _Trace:
   return _Trace(closed.jaxpr, steps, out_tree, start, first_arg,
                 [tuple(map(number, p.ins)) for p in steps], [tuple(map(number, p.outs)) for p in steps],
                 [tuple(slot[v] for v in p.frees) for p in steps],
-                {n: positions for n, positions in host.items() if positions}, slot, {})
+                {n: positions for n, positions in host.items() if positions},
+                tuple(map(number, closed.jaxpr.outvars)), {})
 
 
 def _cached_trace(fn):
@@ -438,8 +437,7 @@ def split(fn, jit_options=JIT_OPTIONS):
     env, t = trace(args)
     _run_pieces(env, t, lambda n, piece, _, ins: _program(t.programs, piece.jaxpr, jit_options)(*ins),
                 collections.deque(maxlen=COPY_WAIT))
-    return t.out_tree.unflatten([env[t.slot[v]] if isinstance(v, core.Var) else v.val
-                                 for v in t.jaxpr.outvars])
+    return t.out_tree.unflatten([env[k] for k in t.results])
   return run
 
 
@@ -479,24 +477,24 @@ def value_and_grad(fn):
       # What the backward program reads again; host inputs stay there, to be copied again.
       kept = program.kept(originals)
       in_host = t.host.get(n, ())
-      hosts = {j: kept[j] for j, k in enumerate(program.diff_at + program.rest_at)
+      hosts = {j: kept[j] for j, k in enumerate(program.backward_order)
                if k in in_host and kept[j] is not None} if in_host else {}
       tape.append((n, program, residuals, kept, hosts))
       return outs
 
     _run_pieces(env, t, forward, finished)
-    (loss_var,) = t.jaxpr.outvars
-    value = env[t.slot[loss_var]]
+    (loss,) = t.results
+    value = env[loss]
     del env
     cts = [None] * len(t.start)  # the cotangent of each variable, where it has one
-    cts[t.slot[loss_var]] = jnp.ones_like(value)
+    cts[loss] = jnp.ones_like(value)
     copies = _HostCopies({m: hosts for m, (*_, hosts) in enumerate(reversed(tape)) if hosts},
                          finished)
     for m in range(len(tape)):
       n, program, residuals, kept, _ = tape.pop()
       out_cts = []
-      for v, k in zip(t.steps[n].outs, t.writes[n]):
-        if _inexact(v.aval):
+      for v, k, inexact in zip(t.steps[n].outs, t.writes[n], program.inexact):
+        if inexact:
           out_cts.append(jnp.zeros(v.aval.shape, v.aval.dtype) if cts[k] is None else cts[k])
           cts[k] = None
       in_cts = _settled(program.backward(residuals, copies.inputs(m, kept), out_cts))
