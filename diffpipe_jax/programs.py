@@ -36,6 +36,11 @@ AHEAD = "programs_ahead"  # the checkpoint name of the values computed ahead of 
 # per layer, each time on other buffers, and a graph is updated for new buffers at each call,
 # which costs the host more than the kernel launches it saves (BENCHMARKS.md, issue 26).
 JIT_OPTIONS = dict(compiler_options={"xla_gpu_enable_command_buffer": ""})
+# XLA's dot merger joins the Linears that read one input (q, k, v; the MLP's input) into one
+# matmul of their kernels' concatenation, which copies those kernels at every call: off for the
+# sampling step, and for the scanned training step where the Linears add their biases to their
+# LoRAs' outputs (BENCHMARKS.md, "Sampling and the step" and "The bias beside the LoRA").
+WITHOUT_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
 def cut_point(fn, **jit_options):

@@ -66,12 +66,10 @@ def sigmas(scheduler: dict, steps: int, tokens: int, to_zero: bool) -> np.ndarra
   return np.append(s.astype(np.float32), np.float32(0))
 
 
-# How a sampling step compiles: as every program (`programs.JIT_OPTIONS`), and without XLA's
-# dot merger, which joins the Linears that read one input (q, k, v; the MLP's input) into one
-# matmul against the concatenation of their kernels, copying those weights at every call
-# (BENCHMARKS.md, "Sampling"; in the training step it neither helps nor costs).
+# How a sampling step compiles: as every program (`programs.JIT_OPTIONS`), without XLA's dot
+# merger.
 JIT_OPTIONS = dict(compiler_options={**programs.JIT_OPTIONS["compiler_options"],
-                                     "xla_gpu_dot_merger_threshold_mb": 0})
+                                     **programs.WITHOUT_DOT_MERGER})
 
 
 @dataclasses.dataclass(frozen=True)

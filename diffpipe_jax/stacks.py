@@ -63,6 +63,13 @@ def unrolled_for(config) -> bool:
   return unrolled
 
 
+def bias_with_lora(remat: str, unrolled: bool) -> bool:
+  """Whether a Linear adds its bias to its LoRA's output (`layers.Linear`): in the scanned step
+  that keeps none of a block's matmul outputs, "block" (measured: BENCHMARKS.md, "The bias
+  beside the LoRA"; "block_offload" keeps none either, but has not been measured)."""
+  return remat == "block" and not unrolled
+
+
 def remat_policy(remat: str, unrolled: bool = False, pipelined: bool = False, swapped: bool = False):
   """The jax.checkpoint policy of `activation_checkpointing=remat`, checked against the other
   settings that decide how the blocks run."""

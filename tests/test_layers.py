@@ -46,6 +46,26 @@ def test_a_lora_linear_keeps_its_output_once_for_the_backward_pass(capsys):
   assert kept == ["f32[2,5,3]", "f32[2,5,24]"], kept
 
 
+def test_a_lora_linear_adds_its_bias_to_the_lora_output_where_told():
+  """With `bias_with_lora` (per-block remat) the base matmul's output meets the bias only in
+  the LoRA's output, its one addend; the result is the same either way."""
+  x, outs = jax.random.normal(jax.random.key(0), (2, 5, 16)), {}
+  for with_lora in (False, True):
+    linear = layers.Linear(24, bias_with_lora=with_lora)
+    variables = {"params": dict(linear.init(jax.random.key(1), x)["params"], bias=jnp.arange(24.)),
+                 "lora": {"lora_A": jnp.ones((16, 3)), "lora_B": jnp.ones((3, 24))}}
+    outs[with_lora] = linear.apply(variables, x)
+    eqns = jax.make_jaxpr(lambda x: linear.apply(variables, x))(x).jaxpr.eqns
+    made_by = {v: e for e in eqns for v in e.outvars}
+    base = next(e for e in eqns if e.primitive.name == "dot_general").outvars[0]
+    (use,) = [e for e in eqns if base in e.invars]
+    (addend,) = [v for v in use.invars if v is not base]
+    lora_sum = use.primitive.name == "add" and made_by[addend].primitive.name == "add" and any(
+        made_by[v].primitive.name == "dot_general" for v in made_by[addend].invars if v in made_by)
+    assert lora_sum == with_lora, (with_lora, use, made_by.get(addend))
+  np.testing.assert_allclose(outs[True], outs[False], rtol=1e-5)
+
+
 def test_a_linear_of_parts_is_the_linear_of_their_concatenation_without_it():
   """A Linear given a list of arrays computes, base and LoRA, what it computes on their
   concatenation, and its program concatenates nothing (the single-stream blocks' output)."""

@@ -27,10 +27,12 @@ class Module(nn.Module, kw_only=True):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   lora_dropout: float = 0.0  # dropout on the input of each LoRA (training only; rng "dropout")
+  bias_with_lora: bool = False  # a Linear adds its bias to its LoRA's output (see `Linear`)
 
   @property
   def kw(self):
-    return dict(dtype=self.dtype, param_dtype=self.param_dtype, lora_dropout=self.lora_dropout)
+    return dict(dtype=self.dtype, param_dtype=self.param_dtype, lora_dropout=self.lora_dropout,
+                bias_with_lora=self.bias_with_lora)
 
 
 class Transformer(Module, kw_only=True):
@@ -66,15 +68,23 @@ class Linear(Module):
       y = float8_matmul(parts[0], kernel, self.get_variable("params", "kernel_scale"))
     else:
       y = matmul_of_parts(parts, kernel.astype(self.dtype))
-    y = y + bias.astype(self.dtype)
-    if self.has_variable("lora", "lora_A"):
-      a, b = self.get_variable("lora", "lora_A"), self.get_variable("lora", "lora_B")
-      if self.lora_dropout > 0:
-        keys = jax.random.split(self.make_rng("dropout"), len(parts))
-        parts = [jnp.where(jax.random.bernoulli(key, 1 - self.lora_dropout, p.shape),
-                           p / (1 - self.lora_dropout), 0) for p, key in zip(parts, keys)]
-      y = y + programs.keep(matmul_of_parts(parts, a.astype(self.dtype))) @ b.astype(self.dtype)
-    return programs.keep(y)
+    bias = bias.astype(self.dtype)
+    if not self.has_variable("lora", "lora_A"):
+      return programs.keep(y + bias)
+    a, b = self.get_variable("lora", "lora_A"), self.get_variable("lora", "lora_B")
+    if self.lora_dropout > 0:
+      keys = jax.random.split(self.make_rng("dropout"), len(parts))
+      parts = [jnp.where(jax.random.bernoulli(key, 1 - self.lora_dropout, p.shape),
+                         p / (1 - self.lora_dropout), 0) for p, key in zip(parts, keys)]
+    lora_out = programs.keep(matmul_of_parts(parts, a.astype(self.dtype))) @ b.astype(self.dtype)
+    # A matmul that reads a scanned layer's slice of a stacked kernel copies that slice first
+    # unless it has no epilogue (bias) and an addend that the step does not keep: so, where the
+    # scanned step keeps no matmul output (`stacks.bias_with_lora`), the bias joins the LoRA's
+    # output, the matmul's addend; where it keeps them, that placement copies more (BENCHMARKS.md,
+    # "The bias beside the LoRA").
+    if self.bias_with_lora:
+      return programs.keep(y + (lora_out + bias))
+    return programs.keep(y + bias + lora_out)
 
 
 def matmul_of_parts(parts, kernel):
