@@ -83,7 +83,7 @@ class Family:
   checkpoint_path: Callable  # model_config -> the transformer's path (a folder or a file)
   config_rules: dict  # the family's own `model` keys -> their `rules.Rule` (validate.py)
   make_module: Callable  # (cfg, dtype=, param_dtype=, attention_impl=, remat=, unrolled=,
-  #                         bias_with_lora=) -> module
+  #                         kernels_in_place=) -> module
   stacks: Callable  # cfg -> ((stack name, layers, relative cost of a layer), ...), in order
   stacked: tuple  # the stacks' names (parameter subtrees with a leading layer axis)
   # diffusion-pipe's pipeline layers that are no block, before each stack and after the last

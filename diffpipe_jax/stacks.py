@@ -63,10 +63,11 @@ def unrolled_for(config) -> bool:
   return unrolled
 
 
-def bias_with_lora(remat: str, unrolled: bool) -> bool:
-  """Whether a Linear adds its bias to its LoRA's output (`layers.Linear`): in the scanned step
-  that keeps none of a block's matmul outputs, "block" (measured: BENCHMARKS.md, "The bias
-  beside the LoRA"; "block_offload" keeps none either, but has not been measured)."""
+def kernels_in_place(remat: str, unrolled: bool) -> bool:
+  """Whether the Linears are written so that their matmuls read the scanned layers' kernels in
+  place (`layers.Linear`): in the scanned step that keeps none of a block's matmul outputs,
+  "block" (measured: BENCHMARKS.md, "The bias beside the LoRA" and "Every kernel read in place";
+  "block_offload" keeps none either, but has not been measured)."""
   return remat == "block" and not unrolled
 
 

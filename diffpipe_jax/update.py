@@ -153,11 +153,11 @@ def make_step(model, config, tx, layout):
   take minutes to compile at full size."""
   grads = grad_fn(model, config, layout.pipeline, unrolled=layout.unrolled)
   if not layout.unrolled:
-    # Where the Linears add their biases to their LoRAs' outputs, their matmuls read the scanned
-    # layers' kernels in place: unless the dot merger joins (so copies) q's, k's and v's.
+    # Where the Linears are written to read the scanned layers' kernels in place, their matmuls
+    # do: unless the dot merger joins (so copies) q's, k's and v's.
     return jax.jit(functools.partial(train_step, grads=grads, update=functools.partial(
         apply_gradients, tx=tx)), donate_argnums=(0,),
-        compiler_options=programs.WITHOUT_DOT_MERGER if model.module.bias_with_lora else None)
+        compiler_options=programs.WITHOUT_DOT_MERGER if model.module.kernels_in_place else None)
   compute_dtype = model.module.dtype
 
   def apply_gradients_stacked(state, loss, g):

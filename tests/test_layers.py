@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,11 +48,11 @@ def test_a_lora_linear_keeps_its_output_once_for_the_backward_pass(capsys):
 
 
 def test_a_lora_linear_adds_its_bias_to_the_lora_output_where_told():
-  """With `bias_with_lora` (per-block remat) the base matmul's output meets the bias only in
-  the LoRA's output, its one addend; the result is the same either way."""
+  """With `kernels_in_place` (per-block remat) the base matmul's output meets the bias only in
+  the LoRA's output, its one addend, and the sum is fenced off; the result is the same."""
   x, outs = jax.random.normal(jax.random.key(0), (2, 5, 16)), {}
   for with_lora in (False, True):
-    linear = layers.Linear(24, bias_with_lora=with_lora)
+    linear = layers.Linear(24, kernels_in_place=with_lora)
     variables = {"params": dict(linear.init(jax.random.key(1), x)["params"], bias=jnp.arange(24.)),
                  "lora": {"lora_A": jnp.ones((16, 3)), "lora_B": jnp.ones((3, 24))}}
     outs[with_lora] = linear.apply(variables, x)
@@ -63,12 +64,45 @@ def test_a_lora_linear_adds_its_bias_to_the_lora_output_where_told():
     lora_sum = use.primitive.name == "add" and made_by[addend].primitive.name == "add" and any(
         made_by[v].primitive.name == "dot_general" for v in made_by[addend].invars if v in made_by)
     assert lora_sum == with_lora, (with_lora, use, made_by.get(addend))
+    assert any(e.primitive.name == "optimization_barrier" for e in eqns) == with_lora
   np.testing.assert_allclose(outs[True], outs[False], rtol=1e-5)
+
+
+class _Projections(flax.linen.Module):
+  """q, k and v of one input: through `linears_of_one_input`, or each Linear on its own."""
+  joined: bool
+
+  @flax.linen.compact
+  def __call__(self, x):
+    names, widths = ("to_q", "to_k", "to_v"), (8, 8, 6)
+    if self.joined:
+      return layers.linears_of_one_input(x, names, widths)
+    return [layers.Linear(w, name=n)(x) for n, w in zip(names, widths)]
+
+
+def test_linears_of_one_input_compute_their_lora_down_projections_as_one_matmul():
+  """The same outputs and LoRA gradients as each Linear on its own (LoRAs of unequal ranks),
+  with one down-projection matmul for the three LoRAs instead of three."""
+  x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+  params = _Projections(False).init(jax.random.key(1), x)["params"]
+  keys = iter(jax.random.split(jax.random.key(2), 6))
+  adapter = {n: {"lora_A": jax.random.normal(next(keys), (16, r)),
+                 "lora_B": jax.random.normal(next(keys), (r, params[n]["kernel"].shape[1]))}
+             for n, r in (("to_q", 3), ("to_k", 3), ("to_v", 2))}
+  results, dots = {}, {}
+  for joined in (False, True):
+    loss = lambda a: sum(jnp.sin(y).sum() for y in _Projections(joined).apply(
+        {"params": params, "lora": a}, x))
+    results[joined] = jax.value_and_grad(loss)(adapter)
+    dots[joined] = str(jax.make_jaxpr(loss)(adapter)).count("dot_general")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), *results.values())
+  assert (dots[False], dots[True]) == (9, 7), dots
 
 
 def test_a_linear_of_parts_is_the_linear_of_their_concatenation_without_it():
   """A Linear given a list of arrays computes, base and LoRA, what it computes on their
-  concatenation, and its program concatenates nothing (the single-stream blocks' output)."""
+  concatenation, and its program concatenates nothing (the single-stream blocks' output); except
+  where it reads its kernel in place and the parts joined are smaller than the kernel."""
   linear = layers.Linear(13)
   keys = jax.random.split(jax.random.key(0), 4)
   parts = [jax.random.normal(keys[0], (2, 5, 7)), jax.random.normal(keys[1], (2, 5, 11))]
@@ -80,6 +114,14 @@ def test_a_linear_of_parts_is_the_linear_of_their_concatenation_without_it():
                              rtol=1e-5, atol=1e-5)
   jaxpr = str(jax.make_jaxpr(lambda ps: linear.apply(variables, ps))(parts))
   assert "concatenate" not in jaxpr and jaxpr.count("dot_general") == 5
+  in_place = layers.Linear(13, kernels_in_place=True)
+  # 2x2 tokens < 13 features <= 2x10 tokens
+  for few, concatenated in (([p[:, :2] for p in parts], True),
+                            ([jnp.concatenate([p, p], 1) for p in parts], False)):
+    np.testing.assert_allclose(in_place.apply(variables, few), linear.apply(variables, few),
+                               rtol=1e-5, atol=1e-5)
+    jaxpr = str(jax.make_jaxpr(lambda ps: in_place.apply(variables, ps))(few))
+    assert ("concatenate" in jaxpr) == concatenated, tokens
 
 
 def test_float8_matmul_quantises_rows_and_runs_in_float8():

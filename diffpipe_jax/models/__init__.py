@@ -74,7 +74,7 @@ def _module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled):
     attention_impl = layers.default_attention_implementation(dtype)
   return fam.make_module(config, dtype=dtype, param_dtype=param_dtype or dtype,
                          attention_impl=attention_impl, remat=stacks.remat_policy(remat, unrolled),
-                         unrolled=unrolled, bias_with_lora=stacks.bias_with_lora(remat, unrolled))
+                         unrolled=unrolled, kernels_in_place=stacks.kernels_in_place(remat, unrolled))
 
 
 def checkpoint_config(model_type: str, path: str, axes_dims_rope=None):

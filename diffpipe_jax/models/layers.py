@@ -27,12 +27,14 @@ class Module(nn.Module, kw_only=True):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   lora_dropout: float = 0.0  # dropout on the input of each LoRA (training only; rng "dropout")
-  bias_with_lora: bool = False  # a Linear adds its bias to its LoRA's output (see `Linear`)
+  # the scanned step's matmuls read their layer's kernel in place (`stacks.kernels_in_place`):
+  # a Linear adds its bias to its LoRA's output and may join its input's parts (see `Linear`)
+  kernels_in_place: bool = False
 
   @property
   def kw(self):
     return dict(dtype=self.dtype, param_dtype=self.param_dtype, lora_dropout=self.lora_dropout,
-                bias_with_lora=self.bias_with_lora)
+                kernels_in_place=self.kernels_in_place)
 
 
 class Transformer(Module, kw_only=True):
@@ -51,15 +53,20 @@ class Linear(Module):
   float8 with a per-output-channel `kernel_scale` (`quantize_float8`); its matmul then runs
   in float8 (`float8_matmul`). Its input is an array or a list of arrays, taken as their
   concatenation on the last axis, which is then never written out (`matmul_of_parts`: the
-  single-stream blocks' output Linear, BENCHMARKS.md "Sampling").
+  single-stream blocks' output Linear, BENCHMARKS.md "Sampling"). `lora_down`: its LoRA's down
+  projection of x where the caller computed it (`linears_of_one_input`).
   """
   features: int
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, lora_down=None):
     parts = [p.astype(self.dtype) for p in (x if isinstance(x, (list, tuple)) else [x])]
     float8 = self.has_variable("params", "kernel_scale")
-    if float8:  # its activations are quantised per row of the whole input
+    # Joined: a float8 kernel's activations, quantised per row of the whole input; and, where
+    # the matmuls read a scanned layer's kernel in place (below), parts that are smaller joined
+    # than the kernel, of which each row slice would be copied at every call.
+    if float8 or (self.kernels_in_place and len(parts) > 1
+                  and math.prod(parts[0].shape[:-1]) < self.features):
       parts = [jnp.concatenate(parts, -1)]
     kernel = self.param("kernel", nn.initializers.lecun_normal(),
                         (sum(p.shape[-1] for p in parts), self.features), self.param_dtype)
@@ -71,20 +78,46 @@ class Linear(Module):
     bias = bias.astype(self.dtype)
     if not self.has_variable("lora", "lora_A"):
       return programs.keep(y + bias)
-    a, b = self.get_variable("lora", "lora_A"), self.get_variable("lora", "lora_B")
+    if lora_down is None:
+      lora_down = self.lora_down(parts)
+    lora_out = lora_down @ self.get_variable("lora", "lora_B").astype(self.dtype)
+    # A matmul that reads a scanned layer's slice of a stacked kernel copies that slice first
+    # unless it has no epilogue (a bias, or a GELU that follows) and an addend that the step does
+    # not keep: so, where the scanned step keeps no matmul output (`stacks.kernels_in_place`), the
+    # bias joins the LoRA's output, the matmul's addend, and the sum is fenced off from what
+    # follows; where the step keeps them, that placement copies more (BENCHMARKS.md, "The bias
+    # beside the LoRA" and "Every kernel read in place").
+    if self.kernels_in_place:
+      return programs.keep(jax.lax.optimization_barrier(y + (lora_out + bias)))
+    return programs.keep(y + bias + lora_out)
+
+  def lora_down(self, parts):
+    """The LoRA's down projection of the parts (its input), kept for the backward pass."""
     if self.lora_dropout > 0:
       keys = jax.random.split(self.make_rng("dropout"), len(parts))
       parts = [jnp.where(jax.random.bernoulli(key, 1 - self.lora_dropout, p.shape),
                          p / (1 - self.lora_dropout), 0) for p, key in zip(parts, keys)]
-    lora_out = programs.keep(matmul_of_parts(parts, a.astype(self.dtype))) @ b.astype(self.dtype)
-    # A matmul that reads a scanned layer's slice of a stacked kernel copies that slice first
-    # unless it has no epilogue (bias) and an addend that the step does not keep: so, where the
-    # scanned step keeps no matmul output (`stacks.bias_with_lora`), the bias joins the LoRA's
-    # output, the matmul's addend; where it keeps them, that placement copies more (BENCHMARKS.md,
-    # "The bias beside the LoRA").
-    if self.bias_with_lora:
-      return programs.keep(y + (lora_out + bias))
-    return programs.keep(y + bias + lora_out)
+    return programs.keep(matmul_of_parts(parts, self.lora_a()))
+
+  def lora_a(self):
+    """The LoRA's down kernel in the compute dtype; None where the variables hold no LoRA."""
+    if not self.has_variable("lora", "lora_A"):
+      return None
+    return self.get_variable("lora", "lora_A").astype(self.dtype)
+
+
+def linears_of_one_input(x, names: Sequence[str], widths: Sequence[int], **kw):
+  """x through one Linear per name, of the given output widths (submodules of the calling
+  compact module), their LoRAs' down projections computed as one matmul of their joined down
+  kernels: for q, k and v, one rank-sized matmul rather than three, forward and backward, where
+  each is a kernel launch for little work. Not with LoRA dropout, which draws a mask per Linear."""
+  linears = [Linear(w, name=n, **kw) for n, w in zip(names, widths)]
+  kernels = [linear.lora_a() for linear in linears]
+  if len(linears) == 1 or linears[0].lora_dropout > 0 or any(k is None for k in kernels):
+    return [linear(x) for linear in linears]
+  joined = programs.keep(x.astype(linears[0].dtype) @ jnp.concatenate(kernels, axis=-1))
+  downs = jnp.split(joined, np.cumsum([k.shape[-1] for k in kernels])[:-1].tolist(), axis=-1)
+  return [linear(x, down) for linear, down in zip(linears, downs)]
 
 
 def matmul_of_parts(parts, kernel):
@@ -281,7 +314,7 @@ def projections(x, names: Sequence[str], widths: Sequence[int], **kw):
   if len(names) == 1:
     fused = Linear(sum(widths), name=names[0], **kw)(x)
     return jnp.split(fused, np.cumsum(widths)[:-1].tolist(), axis=-1)
-  return [Linear(w, name=n, **kw)(x) for n, w in zip(names, widths)]
+  return linears_of_one_input(x, names, widths, **kw)
 
 
 def normed_heads(q, k, v, heads: int, norms: Sequence[str], qk_norm: str = "per_head",
@@ -301,9 +334,12 @@ def project_qkv(x, heads: int, head_dim: int, names: Sequence[str], qk_norm: str
                 kv_input=None, eps: float = 1e-6, **kw):
   """q, k, v [B, S, N, H] by the Linears `names[:3]` (k and v from `kv_input` when given: cross
   attention), q and k RMS-normalised (`eps`) by `names[3:]` (`normed_heads`)."""
-  kv_input = x if kv_input is None else kv_input
-  q, k, v = (Linear(heads * head_dim, name=n, **kw)(source)
-             for n, source in zip(names[:3], (x, kv_input, kv_input)))
+  width = heads * head_dim
+  if kv_input is None:
+    q, k, v = linears_of_one_input(x, names[:3], (width,) * 3, **kw)
+  else:
+    q, (k, v) = Linear(width, name=names[0], **kw)(x), linears_of_one_input(
+        kv_input, names[1:3], (width,) * 2, **kw)
   return normed_heads(q, k, v, heads, names[3:5], qk_norm, eps, **kw)
 
 
