@@ -121,7 +121,7 @@ def test_a_linear_of_parts_is_the_linear_of_their_concatenation_without_it():
     np.testing.assert_allclose(in_place.apply(variables, few), linear.apply(variables, few),
                                rtol=1e-5, atol=1e-5)
     jaxpr = str(jax.make_jaxpr(lambda ps: in_place.apply(variables, ps))(few))
-    assert ("concatenate" in jaxpr) == concatenated, tokens
+    assert ("concatenate" in jaxpr) == concatenated, few[0].shape
 
 
 def test_float8_matmul_quantises_rows_and_runs_in_float8():

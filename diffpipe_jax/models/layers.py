@@ -76,7 +76,7 @@ class Linear(Module):
     else:
       y = matmul_of_parts(parts, kernel.astype(self.dtype))
     bias = bias.astype(self.dtype)
-    if not self.has_variable("lora", "lora_A"):
+    if self.lora_a() is None:
       return programs.keep(y + bias)
     if lora_down is None:
       lora_down = self.lora_down(parts)
@@ -113,7 +113,7 @@ def linears_of_one_input(x, names: Sequence[str], widths: Sequence[int], **kw):
   each is a kernel launch for little work. Not with LoRA dropout, which draws a mask per Linear."""
   linears = [Linear(w, name=n, **kw) for n, w in zip(names, widths)]
   kernels = [linear.lora_a() for linear in linears]
-  if len(linears) == 1 or linears[0].lora_dropout > 0 or any(k is None for k in kernels):
+  if linears[0].lora_dropout > 0 or any(k is None for k in kernels):
     return [linear(x) for linear in linears]
   joined = programs.keep(x.astype(linears[0].dtype) @ jnp.concatenate(kernels, axis=-1))
   downs = jnp.split(joined, np.cumsum([k.shape[-1] for k in kernels])[:-1].tolist(), axis=-1)
