@@ -134,12 +134,14 @@ def ahead_of_calls(fn, carried: int, varying: Sequence[int], jit_options=JIT_OPT
   def split_of(args, stacked: bool) -> tuple:
     flat, tree = jax.tree.flatten(args)
     positions = [k for k, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
-    # what the trace reads of each argument (not its sharding, which a call's output may add)
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in map(_aval, flat)]
-    if stacked:  # one call's arguments: the varying ones without their leading axis
-      shapes = [s.update(shape=s.shape[1:]) if k in varying else s for s, k in zip(shapes, positions)]
-    key = (tree, tuple((s.shape, s.dtype, s.weak_type) for s in shapes))
+    # what the trace reads of each argument (not its sharding, which a call's output may add);
+    # one call's arguments: the varying ones without their leading axis. Plain tuples for the
+    # key: a ShapeDtypeStruct a leaf costs more than the rest of a call (thousands of weights).
+    avals = [(a.shape[1:] if stacked and k in varying else a.shape, a.dtype, a.weak_type)
+             for a, k in zip(map(_aval, flat), positions)]
+    key = (tree, tuple(avals))
     if key not in splits:
+      shapes = [jax.ShapeDtypeStruct(*aval[:2], weak_type=aval[2]) for aval in avals]
       splits[key] = _split_ahead(fn, shapes, tree, {j for j, k in enumerate(positions) if k == carried})
     return splits[key], flat, positions
 

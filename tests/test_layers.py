@@ -101,8 +101,9 @@ def test_linears_of_one_input_compute_their_lora_down_projections_as_one_matmul(
 
 def test_a_linear_of_parts_is_the_linear_of_their_concatenation_without_it():
   """A Linear given a list of arrays computes, base and LoRA, what it computes on their
-  concatenation, and its program concatenates nothing (the single-stream blocks' output); except
-  where it reads its kernel in place and the parts joined are smaller than the kernel."""
+  concatenation, and its program concatenates nothing (the single-stream blocks' output) and
+  sums its parts' products apart from the matmuls; except where it reads its kernel in place
+  and the parts joined are smaller than the kernel."""
   linear = layers.Linear(13)
   keys = jax.random.split(jax.random.key(0), 4)
   parts = [jax.random.normal(keys[0], (2, 5, 7)), jax.random.normal(keys[1], (2, 5, 11))]
@@ -114,6 +115,7 @@ def test_a_linear_of_parts_is_the_linear_of_their_concatenation_without_it():
                              rtol=1e-5, atol=1e-5)
   jaxpr = str(jax.make_jaxpr(lambda ps: linear.apply(variables, ps))(parts))
   assert "concatenate" not in jaxpr and jaxpr.count("dot_general") == 5
+  assert "optimization_barrier" in jaxpr
   in_place = layers.Linear(13, kernels_in_place=True)
   # 2x2 tokens < 13 features <= 2x10 tokens
   for few, concatenated in (([p[:, :2] for p in parts], True),

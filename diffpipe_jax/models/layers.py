@@ -74,7 +74,7 @@ class Linear(Module):
     if float8:
       y = float8_matmul(parts[0], kernel, self.get_variable("params", "kernel_scale"))
     else:
-      y = matmul_of_parts(parts, kernel.astype(self.dtype))
+      y = matmul_of_parts(parts, kernel.astype(self.dtype), summed_apart=not self.kernels_in_place)
     bias = bias.astype(self.dtype)
     if self.lora_a() is None:
       return programs.keep(y + bias)
@@ -120,13 +120,16 @@ def linears_of_one_input(x, names: Sequence[str], widths: Sequence[int], **kw):
   return [linear(x, down) for linear, down in zip(linears, downs)]
 
 
-def matmul_of_parts(parts, kernel):
+def matmul_of_parts(parts, kernel, summed_apart=False):
   """concatenate(parts, -1) @ kernel without the concatenation: each part times its rows of the
-  kernel, summed (each row slice is contiguous, and the sum joins the matmul as its addend)."""
+  kernel (contiguous), summed. XLA makes one product the other's matmul addend, and a matmul
+  with an addend copies its static slice of a kernel; `summed_apart` keeps the products apart
+  (the sum then fuses into what follows), so that each reads its rows in place."""
   if len(parts) == 1:
     return parts[0] @ kernel
   starts = np.cumsum([0] + [p.shape[-1] for p in parts])
-  first, *rest = (p @ kernel[start:end] for p, start, end in zip(parts, starts[:-1], starts[1:]))
+  products = [p @ kernel[start:end] for p, start, end in zip(parts, starts[:-1], starts[1:])]
+  first, *rest = jax.lax.optimization_barrier(products) if summed_apart else products
   return sum(rest, first)
 
 
@@ -274,8 +277,10 @@ def apply_rope(x, rope):
   head) or [S, N, H] (LTX-Video's, which span the heads); float32 math."""
   cos, sin = (t[None, :, None] if t.ndim == 2 else t[None] for t in rope)
   x32 = x.astype(jnp.float32)
+  # each pair (a, b) -> (-b, a): the pair reversed, its first element negated (a stack of -b
+  # and a makes XLA's norm-and-RoPE fusion slower: BENCHMARKS.md, "RoPE by reversal")
   pairs = x32.reshape(*x.shape[:-1], -1, 2)
-  rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+  rotated = (pairs[..., ::-1] * np.array([-1, 1], np.float32)).reshape(x.shape)
   return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
