@@ -116,8 +116,13 @@ def linears_of_one_input(x, names: Sequence[str], widths: Sequence[int], **kw):
   if linears[0].lora_dropout > 0 or any(k is None for k in kernels):
     return [linear(x) for linear in linears]
   joined = programs.keep(x.astype(linears[0].dtype) @ jnp.concatenate(kernels, axis=-1))
-  downs = jnp.split(joined, np.cumsum([k.shape[-1] for k in kernels])[:-1].tolist(), axis=-1)
+  downs = split_widths(joined, [k.shape[-1] for k in kernels])
   return [linear(x, down) for linear, down in zip(linears, downs)]
+
+
+def split_widths(x, widths: Sequence[int]):
+  """x split on its last axis into consecutive pieces of the given widths."""
+  return jnp.split(x, np.cumsum(widths)[:-1].tolist(), axis=-1)
 
 
 def matmul_of_parts(parts, kernel, summed_apart=False):
@@ -318,7 +323,7 @@ def projections(x, names: Sequence[str], widths: Sequence[int], **kw):
   compact module, whose submodules the Linears become."""
   if len(names) == 1:
     fused = Linear(sum(widths), name=names[0], **kw)(x)
-    return jnp.split(fused, np.cumsum(widths)[:-1].tolist(), axis=-1)
+    return split_widths(fused, widths)
   return linears_of_one_input(x, names, widths, **kw)
 
 
