@@ -7,7 +7,7 @@ our sampler does: `programs.ahead`), with the weights read per second; and softm
   python benchmarks/kernel_ceilings.py
 
 Each figure is the mean of 30 calls after a warm-up, bf16. The matmuls compile as the sampling
-step does (`sample.JIT_OPTIONS`: without XLA's dot merger, so separate Linears stay separate).
+step does (`programs.JIT_OPTIONS`: without XLA's dot merger, so separate Linears stay separate).
 `--smoke` runs tiny shapes on the CPU (XLA's attention, torch's math kernel).
 """
 import argparse
@@ -57,9 +57,9 @@ def torch_mean_ms(fn, reps=30):
 
 
 def jitted(fn):
-  """fn compiled as the sampling step compiles (`sample.JIT_OPTIONS`)."""
-  from diffpipe_jax import sample
-  return jax.jit(fn, **sample.JIT_OPTIONS)
+  """fn compiled as the sampling step compiles (`programs.JIT_OPTIONS`)."""
+  from diffpipe_jax import programs
+  return jax.jit(fn, **programs.JIT_OPTIONS)
 
 
 def each_matmul(x, kernels):

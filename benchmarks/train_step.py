@@ -135,6 +135,13 @@ SHAPES = {"flux": flux_shape, "ltx-video": ltx_video_shape, "hunyuan-video": hun
 DEFAULTS = {"flux": (1024, 512), "ltx-video": (512, 128), "hunyuan-video": (512, 256)}
 
 
+def as_cached(batch, dtype):
+  """A random batch with its latents and text in the compute dtype, as the cache holds them."""
+  import jax
+  return jax.tree.map(lambda x: x.astype(
+      dtype if x.dtype == np.float32 and x.ndim == 3 and x.shape[-1] != 3 else x.dtype), batch)
+
+
 def run_mode(a, mode, layout_name, blocks_to_swap):
   import importlib
   import jax
@@ -164,10 +171,8 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
       update.init_state, layer_params=models.abstract_params(fam, model.module, shape.cfg),
       config=config, tx=tx, family=fam), jax.random.key(1))
   samples = data * a.microbatches * a.batch  # `batch` a microbatch and data-parallel replica
-  # the latents and text in the compute dtype, as the cache holds them
-  batch = jax.tree.map(lambda x: x.reshape(a.microbatches, data * a.batch, *x.shape[1:]).astype(
-      dtype if x.dtype == np.float32 and x.ndim == 3 and x.shape[-1] != 3 else x.dtype),
-      shape.batch(samples))
+  batch = jax.tree.map(lambda x: x.reshape(a.microbatches, data * a.batch, *x.shape[1:]),
+                       as_cached(shape.batch(samples), dtype))
   batches = sharding.global_batch(layout.mesh, batch)
   step = update.make_step(model, config, tx, layout)
   memory = lambda key: max((d.memory_stats() or {}).get(key, 0) for d in devices) / 2**30

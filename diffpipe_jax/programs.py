@@ -32,15 +32,18 @@ from jax._src.interpreters import partial_eval
 CUT_PREFIX = "programs_cut_point__"  # the jit name of a function made by `cut_point`
 KEPT = "programs_kept"  # the checkpoint name of the values a forward program keeps (`keep`)
 AHEAD = "programs_ahead"  # the checkpoint name of the values computed ahead of calls (`ahead`)
-# How every program compiles: without XLA's CUDA graphs (command buffers). A program runs once
-# per layer, each time on other buffers, and a graph is updated for new buffers at each call,
-# which costs the host more than the kernel launches it saves (BENCHMARKS.md, issue 26).
-JIT_OPTIONS = dict(compiler_options={"xla_gpu_enable_command_buffer": ""})
-# XLA's dot merger joins the Linears that read one input (q, k, v; the MLP's input) into one
-# matmul of their kernels' concatenation, which copies those kernels at every call: off for the
-# sampling step, and for the scanned training step where the Linears add their biases to their
-# LoRAs' outputs (BENCHMARKS.md, "Sampling and the step" and "The bias beside the LoRA").
+# XLA's dot merger joins the matmuls that read one operand into one matmul of the others'
+# concatenation: the Linears that read one input (q, k, v; the MLP's input), whose kernels it
+# copies at every call, and in a backward pass the products of a Linear of parts with one
+# cotangent, whose activations it copies (BENCHMARKS.md, "Sampling and the step" and "No device
+# lent, again"). Off for every program here, and for the scanned training step where the Linears
+# add their biases to their LoRAs' outputs ("The bias beside the LoRA").
 WITHOUT_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
+# How every program compiles: without the dot merger, and without XLA's CUDA graphs (command
+# buffers): a program runs once per layer, each time on other buffers, and a graph is updated for
+# new buffers at each call, which costs the host more than the kernel launches it saves
+# (BENCHMARKS.md, issue 26).
+JIT_OPTIONS = dict(compiler_options={"xla_gpu_enable_command_buffer": "", **WITHOUT_DOT_MERGER})
 
 
 def cut_point(fn, **jit_options):
@@ -241,7 +244,7 @@ class _Differentiated:
   A residual that is one of the inputs (a frozen weight, the block input) is not returned (XLA
   would copy it) but passed to the backward program again."""
 
-  def __init__(self, jaxpr, differentiated, policy):
+  def __init__(self, jaxpr, differentiated, policy, jit_options):
     self.fn, self.differentiated, self.policy = core.jaxpr_as_fun(jaxpr), differentiated, policy
     self.inexact = [_inexact(a) for a in jaxpr.out_avals]
     self.diff_at = [k for k, d in enumerate(differentiated) if d]  # (positions in the inputs)
@@ -249,8 +252,8 @@ class _Differentiated:
     self.backward_order = self.diff_at + self.rest_at
     # jit's own dispatch is the fastest; every call has the same shapes (those of one trace
     # of the split function), so each traces once and `tree`, `forwarded`, `kept_at` stay valid.
-    self.forward = jax.jit(self._traced_forward, **JIT_OPTIONS)
-    self.backward = jax.jit(self._backward, **JIT_OPTIONS)
+    self.forward = jax.jit(self._traced_forward, **jit_options)
+    self.backward = jax.jit(self._backward, **jit_options)
 
   def _vjp(self, diff, rest):
     def outputs(diff):
@@ -459,9 +462,10 @@ def _differentiated_inputs(jaxpr, steps, n_diff) -> list:
   return plan
 
 
-def value_and_grad(fn):
+def value_and_grad(fn, jit_options=JIT_OPTIONS):
   """jax.value_and_grad(fn) (of its first argument, a tree of inexact arrays; fn returns a
-  scalar), run piece by piece: forward programs in order, backward programs in reverse."""
+  scalar), run piece by piece: forward programs in order, backward programs in reverse, each
+  jitted with `jit_options`."""
   trace = _cached_trace(fn)
   plans = {}  # id(a trace) -> `_differentiated_inputs`
 
@@ -475,10 +479,10 @@ def value_and_grad(fn):
     def forward(n, piece, originals, ins):
       differentiated = plan[n]
       if not any(differentiated):
-        return _program(t.programs, piece.jaxpr)(*ins)
+        return _program(t.programs, piece.jaxpr, jit_options)(*ins)
       key = (id(piece.jaxpr), differentiated, piece.policy)  # the layers of a stack share one jaxpr
       if key not in t.programs:
-        t.programs[key] = _Differentiated(piece.jaxpr, differentiated, piece.policy)
+        t.programs[key] = _Differentiated(piece.jaxpr, differentiated, piece.policy, jit_options)
       program = t.programs[key]
       outs, residuals = program.forward(*program.ordered(ins))
       # What the backward program reads again; host inputs stay there, to be copied again.

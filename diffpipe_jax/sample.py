@@ -66,12 +66,6 @@ def sigmas(scheduler: dict, steps: int, tokens: int, to_zero: bool) -> np.ndarra
   return np.append(s.astype(np.float32), np.float32(0))
 
 
-# How a sampling step compiles: as every program (`programs.JIT_OPTIONS`), without XLA's dot
-# merger.
-JIT_OPTIONS = dict(compiler_options={**programs.JIT_OPTIONS["compiler_options"],
-                                     **programs.WITHOUT_DOT_MERGER})
-
-
 @dataclasses.dataclass(frozen=True)
 class Steps:
   """A sampler's Euler steps (`step_fn`): `ahead(adapter, params, batch, x, sigmas, next
@@ -108,9 +102,9 @@ def step_fn(model, model_config, guidance: float, pipeline=None, split=False) ->
     return x + (sigma_next - sigma) * v
   # A modulation reads its whole kernel for one row a step: computed ahead, it reads it once for
   # all the steps (BENCHMARKS.md, "Sampling: joined kernels, the gaps, the modulations").
-  loop = programs.ahead_of_calls(step, carried=3, varying=(4, 5), jit_options=JIT_OPTIONS)
-  return Steps(loop.values, programs.split(loop.call, JIT_OPTIONS) if split
-               else jax.jit(loop.call, **JIT_OPTIONS))
+  loop = programs.ahead_of_calls(step, carried=3, varying=(4, 5))
+  return Steps(loop.values, programs.split(loop.call) if split
+               else jax.jit(loop.call, **programs.JIT_OPTIONS))
 
 
 def denoise(model, params, adapter, model_config, conditioning: dict, noise, grid, steps: int,

@@ -77,11 +77,11 @@ def pipelined_loss(adapter, params, batches, keys, *, model, config, pipeline):
   return jax.vmap(_flow_loss(config))(pred, targets, *([masks] if masks is not None else [])).mean()
 
 
-def grad_fn(model, config, pipeline=None, unrolled=False):
+def grad_fn(model, config, pipeline=None, unrolled=False, jit_options=programs.JIT_OPTIONS):
   """(adapter, params, batches [A, micro batch, ...], keys [A]) -> (mean loss, mean gradient).
   Without a pipeline the micro-batches run one after another (the memory of one micro-batch):
   in a scan; or, `unrolled`, for a caller that must not jit it, in a Python loop, each loss and
-  gradient run as programs split at the block calls (`programs`)."""
+  gradient run as programs split at the block calls (`programs`), jitted with `jit_options`."""
   if pipeline is not None:
     return jax.value_and_grad(functools.partial(pipelined_loss, model=model, config=config,
                                                 pipeline=pipeline))
@@ -90,11 +90,10 @@ def grad_fn(model, config, pipeline=None, unrolled=False):
   if unrolled:
     # each micro-batch's loss divided by their number inside its programs: the sum is the mean
     loss_and_grad = programs.value_and_grad(lambda adapter, params, batch, key, n: loss(
-        adapter, params, batch, key) / n)
+        adapter, params, batch, key) / n, jit_options)
     # summed in float32, whatever the dtype the adapter (so its gradient) comes in
     add = jax.jit(lambda total, result: jax.tree.map(
-        lambda t, r: t.astype(jnp.float32) + r.astype(jnp.float32), total, result),
-        **programs.JIT_OPTIONS)
+        lambda t, r: t.astype(jnp.float32) + r.astype(jnp.float32), total, result), **jit_options)
 
     def accumulate(adapter, params, batches, keys):
       total = None

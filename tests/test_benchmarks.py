@@ -1,5 +1,6 @@
 """The GPU benchmark scripts run end to end on a tiny shape (CPU): the benchmark is not a test,
 but a broken benchmark script should not wait for a GPU session to be found."""
+import collections
 import glob
 import gzip
 import json
@@ -153,3 +154,39 @@ def test_kernel_benchmark_smoke():
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
   rows = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.startswith("| ")][1:]
   assert len(rows) == 8 + 4 + 16 and all(float(r[2]) > 0 for r in rows), out
+
+
+def test_deviceless_benchmark_smoke():
+  """benchmarks/deviceless.py on the smoke Flux (2 double and 2 single blocks), compiled for the
+  CPU: a forward and a backward program for each block call, each with its kernels counted."""
+  from benchmarks import deviceless
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "deviceless.py"), "--smoke"],
+                       env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+  rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.split("\n\n")[1].splitlines()[2:]]
+  calls = collections.Counter()
+  for name, n, count, *_ in rows:
+    calls[tuple(name.split()[1:])] += int(n)
+    assert int(count) > 0, out
+  assert calls[("forward", "DoubleStreamBlock")] == calls[("backward", "DoubleStreamBlock")] == 2, out
+  assert calls[("forward", "SingleStreamBlock")] == calls[("backward", "SingleStreamBlock")] == 2, out
+  assert f"kernels a step: {sum(int(r[1]) * int(r[2]) for r in rows)}" in out, out
+  # a matmul's FLOPs and bytes from its HLO line, and a fused slice read as the slice
+  hlo = """HloModule m
+
+%fused (p0: f32[16,4], p1: f32[2,8]) -> f32[2,4] {
+  %p0 = f32[16,4]{1,0} parameter(0)
+  %p1 = f32[2,8]{1,0} parameter(1)
+  %s = f32[8,4]{1,0} slice(%p0), slice={[0:8], [0:4]}
+  ROOT %d = f32[2,4]{1,0} dot(%p1, %s), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[16,4], b: f32[2,8]) -> f32[2,4] {
+  %a = f32[16,4]{1,0} parameter(0)
+  %b = f32[2,8]{1,0} parameter(1)
+  ROOT %f = f32[2,4]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused
+}
+"""
+  (kernel,) = deviceless.kernels(hlo)
+  assert (kernel.kind, kernel.flops, kernel.bytes_in, kernel.bytes_out) == (
+      "matmul", 2 * 8 * 2 * 4, 4 * (8 * 4 + 2 * 8), 4 * 2 * 4)

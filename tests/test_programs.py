@@ -89,7 +89,8 @@ def test_remat_blocks_keep_no_residuals_and_host_weights_are_copied_once_a_pass(
   block_args = [h, args[1][0], args[0]["layers"][0], args[3]]
   # keeping what the block marks: the sum of its two matmuls, once (not each matmul's output)
   for policy, residuals in ((nothing, 0), (programs.keeps_for_backward, 1)):
-    program = programs._Differentiated(steps[blocks[0]].jaxpr, plan[blocks[0]], policy)
+    program = programs._Differentiated(steps[blocks[0]].jaxpr, plan[blocks[0]], policy,
+                                          programs.JIT_OPTIONS)
     diff, rest = program.ordered(block_args + [0])
     assert len(program.forward(diff, rest)[1]) == residuals, policy
 

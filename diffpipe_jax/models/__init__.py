@@ -69,7 +69,8 @@ def is_float8_kernel(fam: Family, path) -> bool:
   return path[-1] == "kernel" and table.matches(".".join(path[:-1]), fam.float8_targets)
 
 
-def _module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled):
+def make_module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled):
+  """The family's module for `load`'s settings (which see)."""
   if attention_impl == "auto":
     attention_impl = layers.default_attention_implementation(dtype)
   return fam.make_module(config, dtype=dtype, param_dtype=param_dtype or dtype,
@@ -115,7 +116,7 @@ def load(model_type: str, path: str, dtype=jnp.float32, param_dtype=None, transf
   fam = family_lib.get(model_type)
   checkpoint = convert.open_checkpoint(fam, path, axes_dims_rope)
   config = checkpoint.config
-  module = _module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled)
+  module = make_module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled)
   put, finalize = _placement(fam, transformer_dtype, layout)
   keeps_float8 = lambda p: transformer_dtype == "float8" and is_float8_kernel(fam, p)
   params = convert.load_params(abstract_params(fam, module, config), fam, checkpoint,
@@ -140,7 +141,7 @@ def init_random(model_type: str, config, key, dtype=jnp.float32, param_dtype=Non
   shapes), made, stored and placed as `load` does a checkpoint's: one leaf at a time, largest
   first, so that the device never holds a whole high-precision copy beside the float8 one."""
   fam = family_lib.get(model_type)
-  module = _module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled)
+  module = make_module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled)
   put, finalize = _placement(fam, transformer_dtype, layout)
   flat = {}
   for n, (path, leaf) in enumerate(table.largest_first(table.flatten(abstract_params(fam, module, config)))):
