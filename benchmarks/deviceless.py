@@ -1,20 +1,22 @@
-"""A family's unrolled training step compiled for a GPU that is not here: its programs, their
-kernels and the bytes each kernel reads and writes, from XLA's optimised HLO. For sessions that
-get no GPU: what a change does to the step's copies, concatenations and kernel launches can be
-seen, not timed (BENCHMARKS.md, "No device lent, again").
+"""A family's unrolled training step, or its sampler's steps, compiled for a GPU that is not here:
+the programs they call, their kernels and the bytes each kernel reads and writes, from XLA's
+optimised HLO. For sessions that get no GPU: what a change does to the copies, concatenations
+and kernel launches can be seen, not timed (BENCHMARKS.md, "No device lent, again").
 
-  python benchmarks/deviceless.py --res 512 [--remat block] [--xla_option xla_gpu_dot_merger_threshold_mb=0]
+  python benchmarks/deviceless.py --res 512 [--remat block] [--xla_option xla_gpu_dot_merger_threshold_mb=default]
   python benchmarks/deviceless.py --model hunyuan-video --res 512 --frames 33 --top 20
+  python benchmarks/deviceless.py --res 1024 --sample 2   # two of the sampler's steps (and its modulations)
 
 Needs jax's CUDA plugin (`pip install "jax[cuda13]"`), not a GPU: XLA compiles for the H200 of
 `H200` (XLA's own spec of the card, less what a compile does not read) without autotuning, so
-the fusions and copies are the device's and the matmul algorithms are not. The step is the
-gradient's programs (`update.grad_fn`, one micro-batch) traced at the released shape
-(`train_step.SHAPES`) without allocating it; the optimizer update, one program without matmuls,
-is left out. Bytes are each kernel's operands and results (of an operand that a fusion only
-slices, the slices); the floor is those bytes at `--tb_per_s` or the matmuls' FLOPs at
-`--tflops`, whichever takes longer (attention: its bytes only), a bound to rank kernels by, not
-a time. `--smoke` compiles the smoke shape for this machine's CPU (tests the script).
+the fusions and copies are the device's and the matmul algorithms are not. What is compiled is
+traced at the released shape (`train_step.SHAPES`) without allocating it: the gradient's
+programs of one training step (`update.grad_fn`, one micro-batch; the optimizer update, one
+program without matmuls, is left out), or `sample.denoise` of `--sample` steps as
+`sample_steps.py` runs it. Bytes are each kernel's operands and results (of an operand that a
+fusion only slices, the slices); the floor is those bytes at `--tb_per_s` or the matmuls' FLOPs
+at `--tflops`, whichever takes longer (attention: its bytes only), a bound to rank kernels by,
+not a time. `--smoke` compiles the smoke shape for this machine's CPU (tests the script).
 """
 import argparse
 import collections
@@ -130,11 +132,11 @@ def _fused(body) -> tuple:
 
 def _source(line: str) -> str:
   """The model code an instruction comes from: jax's op_name without the program's name and
-  the transformations (jvp, transpose, checkpoint), e.g. `SingleStreamBlock/attn.norm_q/mul`."""
+  the transformations (jvp, transpose, vmap, checkpoint), e.g. `SingleStreamBlock/attn.norm_q/mul`."""
   source = re.search(r'op_name="(?:jit\([^)]*\)/)?([^"]*)"', line)
   if not source:
     return ""
-  path = re.sub(r"transpose\(|jvp\(|checkpoint/|rematted_computation/|[()]", "", source.group(1))
+  path = re.sub(r"transpose\(|jvp\(|vmap\(|checkpoint/|rematted_computation/|[()]", "", source.group(1))
   return re.sub(r"/+", "/", path).strip("/")
 
 
@@ -171,46 +173,68 @@ class Program:
   kernels: list
 
 
-def abstract_step(a, device):
-  """(the step's gradient function, its arguments as ShapeDtypeStructs on `device`)."""
+def _abstract_model(a, device, remat):
+  """(the family's model at the shape, unrolled, its weights ShapeDtypeStructs, the family's
+  training config, the abstract weights in the plain layer layout, the layout)."""
   import importlib
   import jax
   import jax.numpy as jnp
-  from jax.sharding import SingleDeviceSharding
-  from diffpipe_jax import family as family_lib, lora, models, optim, sharding, update
+  from diffpipe_jax import family as family_lib, models, sharding
   from diffpipe_jax.convert import table
 
   fam, shape = family_lib.get(a.model), train_step.SHAPES[a.model](a)
   config = importlib.import_module(f"configs.{a.model.replace('-', '_')}").get_config("")
   config.adapter.rank = a.rank
-  dtype = jnp.float32 if a.smoke else jnp.bfloat16
-  on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device))
-  module = models.make_module(fam, shape.cfg, dtype, None, None if a.smoke else "cudnn", a.remat,
-                              unrolled=True)
+  module = models.make_module(fam, shape.cfg, jnp.float32 if a.smoke else jnp.bfloat16, None,
+                              None if a.smoke else "cudnn", remat, unrolled=True)
   layout = sharding.make_layout(sharding.make_mesh(1, [device]), fam.stacks(shape.cfg), 1, unrolled=True)
   abstract = models.abstract_params(fam, module, shape.cfg)
   params = jax.eval_shape(lambda p: table.unflatten(
       {path: layout.settle(path, w) for path, w in table.flatten(p).items()}), abstract)
+  return models.Model(fam, shape.cfg, module, params), config, abstract, layout
+
+
+def training_step(a, device):
+  """(the training step's gradient (`update.grad_fn`, one micro-batch), its arguments)."""
+  import jax
+  from diffpipe_jax import lora, optim, update
+
+  model, config, abstract, layout = _abstract_model(a, device, a.remat)
   tx, _ = optim.make(config, 1000)
   adapter = jax.eval_shape(lambda key: update.init_state(
-      key, layer_params=abstract, config=config, tx=tx, family=fam)["lora"], jax.random.key(0))
-  adapter = jax.eval_shape(lambda a_: lora.in_dtype(layout.to_stages(a_), dtype), adapter)
-  batch = jax.tree.map(lambda x: x[None], train_step.as_cached(shape.batch(1), dtype))  # [A=1, ...]
+      key, layer_params=abstract, config=config, tx=tx, family=model.family)["lora"], jax.random.key(0))
+  adapter = jax.eval_shape(lambda a_: lora.in_dtype(layout.to_stages(a_), model.module.dtype), adapter)
+  batch = train_step.as_cached(train_step.SHAPES[a.model](a).batch(1), model.module.dtype)
   keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 1))
-  grads = update.grad_fn(models.Model(fam, shape.cfg, module, params), config, unrolled=True,
-                         jit_options={})  # options on nested jits are refused: given at compile
-  args = (adapter, params, batch, keys)
-  return grads, jax.tree.map(on_device, args, is_leaf=lambda x: hasattr(x, "shape"))
+  grads = update.grad_fn(model, config, unrolled=True, jit_options={})  # (options: at compile)
+  return grads, (adapter, model.params, jax.tree.map(lambda x: x[None], batch), keys)  # [A=1, ...]
 
 
-def step_programs(grads, args, device, compiler_options) -> tuple:
-  """([Program] of one step, eager operations a step): the step traced, each distinct program
-  it calls compiled for `device` with `compiler_options`."""
+def sampling(a, device):
+  """(`sample.denoise` of `--sample` steps of the base model, as `sample_steps.py` runs it, its
+  arguments: the weights)."""
+  from benchmarks import sample_steps
+  from configs import common
+  from diffpipe_jax import sample
+
+  model, *_ = _abstract_model(a, device, "none")
+  _, conditioning, uncond, noise, tokens = sample_steps.inputs(a)
+  model_config = common.model(a.model)
+  model_config.frame_rate, model_config.guidance = 25, 1.0
+  steps = sample.step_fn(model, model_config, a.guidance, split=True, jit_options={})
+  return (lambda params: sample.denoise(model, params, None, model_config, conditioning, noise,
+                                        (tokens,), a.sample, a.guidance, uncond=uncond, step=steps),
+          (model.params,))
+
+
+def step_programs(fn, args, device, compiler_options) -> tuple:
+  """([Program] of a call of fn, its eager operations): fn traced, each distinct program it
+  calls compiled for `device` with `compiler_options`."""
   import jax
   from jax.extend import core
   from jax.sharding import SingleDeviceSharding
 
-  closed = jax.make_jaxpr(grads)(*args)
+  closed = jax.make_jaxpr(fn)(*args)
   calls, first, eager = collections.Counter(), {}, 0
   for eqn in closed.jaxpr.eqns:
     if "jaxpr" in eqn.params and "name" in eqn.params:
@@ -227,7 +251,7 @@ def step_programs(grads, args, device, compiler_options) -> tuple:
         *on_device).compile()
     found = kernels(compiled.as_text())
     modules = collections.Counter(k.source.split("/")[0] for k in found if "/" in k.source)
-    label = " ".join([f"{n:02d}", ROLES.get(str(eqn.params["name"]), "no gradient")]
+    label = " ".join([f"{n:02d}", ROLES.get(str(eqn.params["name"]), "forward only")]
                      + [m for m, _ in modules.most_common(1)])
     programs.append(Program(label, calls[key], found))
   return programs, eager
@@ -235,9 +259,9 @@ def step_programs(grads, args, device, compiler_options) -> tuple:
 
 def report(programs, eager, a) -> str:
   floor = lambda k: max(k.flops / (a.tflops * 1e12), (k.bytes_in + k.bytes_out) / (a.tb_per_s * 1e12))
-  lines = [f"programs a step: {sum(p.calls for p in programs)} ({len(programs)} compiled), "
-           f"eager operations: {eager}, kernels a step: {sum(p.calls * len(p.kernels) for p in programs)}",
-           "", "| program | calls a step | kernels | matmuls | fusions | other |", "|---|---|---|---|---|---|"]
+  lines = [f"programs called: {sum(p.calls for p in programs)} ({len(programs)} compiled), "
+           f"eager operations: {eager}, kernels: {sum(p.calls * len(p.kernels) for p in programs)}",
+           "", "| program | calls | kernels | matmuls | fusions | other |", "|---|---|---|---|---|---|"]
   for p in programs:
     kinds = collections.Counter(k.kind for k in p.kernels)
     fusions = sum(v for kind, v in kinds.items() if kind.startswith("fusion"))
@@ -247,14 +271,14 @@ def report(programs, eager, a) -> str:
   for p in programs:
     for k in p.kernels:
       by_kind[k.kind] += p.calls * np.array([1, k.bytes_in + k.bytes_out, k.flops, floor(k)])
-  lines += ["", f"| kernel kind | a step | GB read + written | TFLOP | floor (ms; {a.tb_per_s} TB/s, "
+  lines += ["", f"| kernel kind | kernels | GB read + written | TFLOP | floor (ms; {a.tb_per_s} TB/s, "
             f"{a.tflops:.0f} TFLOP/s) |", "|---|---|---|---|---|"]
   for kind, (n, b, f, t) in sorted(by_kind.items(), key=lambda kv: -kv[1][3]):
     lines.append(f"| {kind} | {int(n)} | {b / 1e9:.2f} | {f / 1e12:.2f} | {t * 1e3:.2f} |")
   rows = sorted(((p.calls * floor(k), p, k) for p in programs for k in p.kernels
                  if k.kind not in ("matmul", "attention")), key=lambda r: -r[0])[:a.top]
   if rows:
-    lines += ["", "| memory-bound kernel | from | program | calls | MB read | MB written | floor a step (ms) | result |",
+    lines += ["", "| memory-bound kernel | from | program | calls | MB read | MB written | floor, all calls (ms) | result |",
               "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {k.name} ({k.kind}) | {k.source[:70]} | {p.name} | {p.calls} | {k.bytes_in / 1e6:.1f} | "
               f"{k.bytes_out / 1e6:.1f} | {t * 1e3:.2f} | `{k.result[:60]}` |" for t, p, k in rows]
@@ -262,13 +286,11 @@ def report(programs, eager, a) -> str:
 
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", default="flux", choices=sorted(train_step.SHAPES))
-  p.add_argument("--res", type=int, default=None)
-  p.add_argument("--width", type=int, default=None, help="video width (default: --res)")
-  p.add_argument("--frames", type=int, default=121)
-  p.add_argument("--txt", type=int, default=None)
+  p = train_step.shape_arguments(frames=121)
   p.add_argument("--rank", type=int, default=32)
+  p.add_argument("--sample", type=int, default=0,
+                 help="STEPS: the sampler's STEPS steps of the base model instead of a training step")
+  p.add_argument("--guidance", type=float, default=3.5, help="with --sample")
   p.add_argument("--remat", default="none", help="activation_checkpointing (none, block, ...)")
   p.add_argument("--xla_option", action="append", default=[],
                  help="KEY=VALUE added to the programs' compiler options (repeatable); KEY=default: "
@@ -276,15 +298,11 @@ def main():
   p.add_argument("--tb_per_s", type=float, default=3.0)
   p.add_argument("--tflops", type=float, default=train_step.CEILING_TFLOPS)
   p.add_argument("--top", type=int, default=15)
-  p.add_argument("--smoke", action="store_true")
-  a = p.parse_args()
-  res, txt = train_step.DEFAULTS[a.model]
-  a.res, a.txt = a.res or (64 if a.smoke else res), a.txt or (8 if a.smoke else txt)
-  if a.smoke:
-    a.frames = 9
+  a = train_step.shape_defaults(p.parse_args())
   if not a.smoke:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the compile-only GPU comes from the plugin
   import jax
+  from jax.sharding import SingleDeviceSharding
   from diffpipe_jax import programs
   if a.smoke:
     device = jax.devices()[0]
@@ -293,10 +311,13 @@ def main():
     device = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=H200).devices[0]
   options = dict(programs.JIT_OPTIONS["compiler_options"], **dict(o.split("=", 1) for o in a.xla_option))
   options = {k: v for k, v in options.items() if v != "default"}  # XLA's own
-  grads, args = abstract_step(a, device)
-  found, eager = step_programs(grads, args, device, options)
-  print(f"{train_step.SHAPES[a.model](a).title}, LoRA rank {a.rank}, activation_checkpointing="
-        f"{a.remat!r}, unrolled, compiled for {device.device_kind}; options {options}")
+  fn, args = (sampling if a.sample else training_step)(a, device)
+  found, eager = step_programs(fn, jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=SingleDeviceSharding(device)), args), device, options)
+  what = (f"{a.sample} sampling steps, guidance {a.guidance}" if a.sample else
+          f"LoRA rank {a.rank}, activation_checkpointing={a.remat!r}")
+  print(f"{train_step.SHAPES[a.model](a).title}, {what}, unrolled, compiled for {device.device_kind}; "
+        f"options {options}")
   print(report(found, eager, a))
 
 

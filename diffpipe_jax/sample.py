@@ -76,13 +76,14 @@ class Steps:
   step: Callable
 
 
-def step_fn(model, model_config, guidance: float, pipeline=None, split=False) -> Steps:
+def step_fn(model, model_config, guidance: float, pipeline=None, split=False,
+            jit_options=programs.JIT_OPTIONS) -> Steps:
   """The Euler steps of the pipeline (`Steps`), each one program: the model's velocity at sigma
   with the adapter (None: the base model), with `guidance` embedded (`model.guidance`) or
   classifier-free (the batch holds the pipeline's [uncond, cond] rows; x the cond half's
   latents), then x + (sigma_next - sigma) v in float32. In the training layout: through the
   pipeline as one microbatch, or (`split`, unrolled layers only) as programs per block, which
-  also copy swapped layers' weights to the device."""
+  also copy swapped layers' weights to the device; each program jitted with `jit_options`."""
   family = model.family
   run = stacks.run_stacks if pipeline is None else pipeline.single_microbatch().run
   cfg_mode = family.sampling.guidance_mode == "cfg"
@@ -102,9 +103,9 @@ def step_fn(model, model_config, guidance: float, pipeline=None, split=False) ->
     return x + (sigma_next - sigma) * v
   # A modulation reads its whole kernel for one row a step: computed ahead, it reads it once for
   # all the steps (BENCHMARKS.md, "Sampling: joined kernels, the gaps, the modulations").
-  loop = programs.ahead_of_calls(step, carried=3, varying=(4, 5))
-  return Steps(loop.values, programs.split(loop.call) if split
-               else jax.jit(loop.call, **programs.JIT_OPTIONS))
+  loop = programs.ahead_of_calls(step, carried=3, varying=(4, 5), jit_options=jit_options)
+  return Steps(loop.values, programs.split(loop.call, jit_options) if split
+               else jax.jit(loop.call, **jit_options))
 
 
 def denoise(model, params, adapter, model_config, conditioning: dict, noise, grid, steps: int,

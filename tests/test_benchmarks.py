@@ -156,21 +156,35 @@ def test_kernel_benchmark_smoke():
   assert len(rows) == 8 + 4 + 16 and all(float(r[2]) > 0 for r in rows), out
 
 
-def test_deviceless_benchmark_smoke():
-  """benchmarks/deviceless.py on the smoke Flux (2 double and 2 single blocks), compiled for the
-  CPU: a forward and a backward program for each block call, each with its kernels counted."""
-  from benchmarks import deviceless
+def deviceless_programs(*args) -> tuple:
+  """(the output of benchmarks/deviceless.py --smoke *args, {(what, module): calls},
+  {(what, module): kernels a call})."""
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "deviceless.py"), "--smoke"],
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "deviceless.py"), "--smoke", *args],
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
   rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.split("\n\n")[1].splitlines()[2:]]
-  calls = collections.Counter()
+  assert f"kernels: {sum(int(r[1]) * int(r[2]) for r in rows)}" in out, out
+  calls, kernels = collections.Counter(), {}
   for name, n, count, *_ in rows:
-    calls[tuple(name.split()[1:])] += int(n)
-    assert int(count) > 0, out
-  assert calls[("forward", "DoubleStreamBlock")] == calls[("backward", "DoubleStreamBlock")] == 2, out
-  assert calls[("forward", "SingleStreamBlock")] == calls[("backward", "SingleStreamBlock")] == 2, out
-  assert f"kernels a step: {sum(int(r[1]) * int(r[2]) for r in rows)}" in out, out
+    key = tuple(name.split(maxsplit=1)[1].rsplit(maxsplit=1))
+    calls[key] += int(n)
+    kernels[key] = int(count)
+  return out, calls, kernels
+
+
+def test_deviceless_benchmark_smoke():
+  """benchmarks/deviceless.py on the smoke Flux (2 double and 2 single blocks), compiled for the
+  CPU: a training step's forward and backward programs for each block call, two sampling steps'
+  programs for each block call, each with its kernels counted; and its count of a kernel's
+  bytes and FLOPs on an HLO module written out."""
+  from benchmarks import deviceless
+  out, calls, kernels = deviceless_programs()
+  for block in ("DoubleStreamBlock", "SingleStreamBlock"):
+    assert calls["forward", block] == calls["backward", block] == 2, out
+  assert all(kernels.values()), out
+  out, calls, kernels = deviceless_programs("--sample", "2")
+  assert calls["forward only", "DoubleStreamBlock"] == calls["forward only", "SingleStreamBlock"] == 4, out
+  assert all(kernels.values()), out
   # a matmul's FLOPs and bytes from its HLO line, and a fused slice read as the slice
   hlo = """HloModule m
 
