@@ -214,13 +214,11 @@ def sampling(a, device):
   """(`sample.denoise` of `--sample` steps of the base model, as `sample_steps.py` runs it, its
   arguments: the weights)."""
   from benchmarks import sample_steps
-  from configs import common
   from diffpipe_jax import sample
 
   model, *_ = _abstract_model(a, device, "none")
   _, conditioning, uncond, noise, tokens = sample_steps.inputs(a)
-  model_config = common.model(a.model)
-  model_config.frame_rate, model_config.guidance = 25, 1.0
+  model_config = sample_steps.sampling_config(a)
   steps = sample.step_fn(model, model_config, a.guidance, split=True, jit_options={})
   return (lambda params: sample.denoise(model, params, None, model_config, conditioning, noise,
                                         (tokens,), a.sample, a.guidance, uncond=uncond, step=steps),

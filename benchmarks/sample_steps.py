@@ -42,19 +42,24 @@ def inputs(a):
   return shape, batch, uncond, noise, tokens
 
 
+def sampling_config(a):
+  """The family's `model` config as the sampler reads it here (25 fps for the video families)."""
+  from configs import common
+  model_config = common.model(a.model)
+  model_config.frame_rate, model_config.guidance = 25, 1.0
+  return model_config
+
+
 def ours(a):
   import jax
   import jax.numpy as jnp
   from diffpipe_jax import family as family_lib, models, sample, sharding
-  from configs import common
   fam = family_lib.get(a.model)
   shape, conditioning, uncond, noise, tokens = inputs(a)
   layout = sharding.make_layout(sharding.make_mesh(1), fam.stacks(shape.cfg), 1, 0, a.unrolled)
   model = models.init_random(a.model, shape.cfg, jax.random.key(0), unrolled=a.unrolled,
                              dtype=jnp.float32 if a.smoke else jnp.bfloat16, layout=layout)
-  model_config = common.model(a.model)
-  model_config.frame_rate = 25
-  model_config.guidance = 1.0
+  model_config = sampling_config(a)
   step = sample.step_fn(model, model_config, a.guidance, split=a.unrolled)  # compiled by the warm-up
   run = lambda steps: jax.block_until_ready(sample.denoise(
       model, model.params, None, model_config, conditioning, noise, (tokens,), steps, a.guidance,
