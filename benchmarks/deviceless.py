@@ -166,7 +166,7 @@ def kernels(hlo_text: str) -> list:
   return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Program:
   name: str  # its order of first call, what it computes, the module most of its kernels are of
   calls: int
