@@ -152,11 +152,15 @@ def make_step(model, config, tx, layout):
   take minutes to compile at full size."""
   grads = grad_fn(model, config, layout.pipeline, unrolled=layout.unrolled)
   if not layout.unrolled:
+    def step_in_layout(state, *args):
+      # The state leaves as it came, in the layout's shardings: left to XLA, sequence
+      # parallelism shards the new LoRA's q/k/v outputs over 'seq', and the second step compiles again.
+      state, metrics = train_step(state, *args, grads=grads, update=functools.partial(apply_gradients, tx=tx))
+      return jax.lax.with_sharding_constraint(state, layout.shardings(state)), metrics
     # Where the Linears are written to read the scanned layers' kernels in place, their matmuls
     # do: unless the dot merger joins (so copies) q's, k's and v's.
-    return jax.jit(functools.partial(train_step, grads=grads, update=functools.partial(
-        apply_gradients, tx=tx)), donate_argnums=(0,),
-        compiler_options=programs.WITHOUT_DOT_MERGER if model.module.kernels_in_place else None)
+    return jax.jit(step_in_layout, donate_argnums=(0,),
+                   compiler_options=programs.WITHOUT_DOT_MERGER if model.module.kernels_in_place else None)
   compute_dtype = model.module.dtype
 
   def apply_gradients_stacked(state, loss, g):

@@ -2,13 +2,15 @@
 model (`multidevice_check.py <model type> <checkpoint> <layouts>`, layouts such as
 "2x1,1x2,8x1u,2x2@4,2x1x4": data x stages [x sequence_parallel], u for unrolled layers, @
 diffusion-pipe's partition_split, ":"-separated): on every layout the loss and LoRA gradients of
-a step, and a short training run, equal one device's; with sequence parallelism the step's
-program holds the attention's all-to-alls.
+a step, and a short training run, equal one device's, and the update compiles once; with
+sequence parallelism the step's program holds the attention's all-to-alls, and samples drawn in
+the layout equal one device's, their steps compiled once.
 
 The tiny models' stacks are a few blocks deep (Flux: 2 double and 3 single blocks), so 2, 4 and
 8 stages split unevenly and carry padding layers."""
 import functools
 import os
+import re
 import sys
 import threading
 
@@ -18,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from conftest import family_config  # noqa: E402
-from diffpipe_jax import family as family_lib, lora, models, optim, sequence, sharding, update  # noqa: E402
+from diffpipe_jax import family as family_lib, lora, models, optim, sample, sequence, sharding, update  # noqa: E402
 
 
 def parse_layouts(text):
@@ -34,10 +36,10 @@ def parse_layouts(text):
   return tuple(map(parse, text.split(",")))
 
 
-UPDATE_COMPILES = []  # the threads that compiled an optimizer update
+COMPILES = []  # (thread, function) of each compilation
 jax.monitoring.register_event_duration_secs_listener(
-    lambda event, _, fun_name="", **kw: UPDATE_COMPILES.append(threading.current_thread().name)
-    if event == "/jax/core/compile/backend_compile_duration" and "apply_gradients" in fun_name else None)
+    lambda event, _, fun_name="", **kw: COMPILES.append((threading.current_thread().name, fun_name))
+    if event == "/jax/core/compile/backend_compile_duration" else None)
 
 
 def batches_for(fam, cfg, step, mesh, batch=32, accum=4):
@@ -71,23 +73,43 @@ def run_on(mesh, fam, path, config, stages, unrolled, partition_split, steps, ac
   loss0, grads0 = (grads if layout.unrolled else jax.jit(grads))(*args)
   if mesh.shape["seq"] > 1 and not layout.unrolled:
     assert "all-to-all" in jax.jit(grads).lower(*args).compile().as_text()
-  losses, compiles = [], len(UPDATE_COMPILES)
+  losses, compiles = [], len(COMPILES)
   for i in range(steps):
     state, m = step(state, model.params, batches_for(fam, model.config, i, mesh), jax.random.key(i))
     losses.append(float(m["loss"]))
-  if layout.unrolled:  # compiled once, in the thread that compiles it beside the first step
-    assert [t.startswith("compile") for t in UPDATE_COMPILES[compiles:]] == [True], UPDATE_COMPILES
+  # the update (unrolled: in the thread that compiles it beside the first step) compiled once:
+  # each step's state leaves in the shardings it came in
+  updates = [thread.startswith("compile") for thread, fun in COMPILES[compiles:]
+             if re.search("apply_gradients" if layout.unrolled else "step_in_layout", fun)]
+  assert updates == [layout.unrolled], COMPILES[compiles:]
   plain = jax.jit(layout.to_layers)
-  return float(loss0), jax.device_get(plain(grads0)), losses, jax.device_get(plain(state["lora"])), layout
+  latents = sampled(fam, model, config, layout, adapter) if mesh.size == 1 or mesh.shape["seq"] > 1 else None
+  return (float(loss0), jax.device_get(plain(grads0)), losses, jax.device_get(plain(state["lora"])),
+          latents, layout)
+
+
+def sampled(fam, model, config, layout, adapter, steps=3):
+  """The latents of two prompts after `steps` Euler steps with the adapter, drawn as training
+  draws its samples in this layout; no step after the first compiles anything."""
+  batch = fam.random_batch(model.config, 2, seed=5)
+  noise = batch.pop("latents")
+  uncond = {k: v[:1] for k, v in batch.items() if k != "position_ids"}
+  compiles = []
+  latents = sample.denoise(
+      model, model.params, layout.create(lambda a: a, adapter), config.model, batch, noise, (16,), steps,
+      4.0, uncond, sample.step_fn(model, config.model, 4.0, layout.pipeline, split=layout.unrolled),
+      functools.partial(sharding.whole_rows, layout.mesh), lambda i: compiles.append(len(COMPILES)))
+  assert compiles[0] == compiles[-1], COMPILES[compiles[0]:]
+  return np.asarray(latents)
 
 
 def main(model_type, path, layouts):
   assert len(jax.devices()) == 8
   fam, config = family_lib.get(model_type), family_config(model_type)
   rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
-  ref_loss, ref_grads, ref_losses, ref_lora, _ = run(fam, path, config, 1, 1)
+  ref_loss, ref_grads, ref_losses, ref_lora, ref_latents, _ = run(fam, path, config, 1, 1)
   for data, stages, seq, unrolled, split in parse_layouts(layouts):
-    loss, grads, losses, adapter, layout = run(fam, path, config, data, stages, seq, unrolled, split)
+    loss, grads, losses, adapter, latents, layout = run(fam, path, config, data, stages, seq, unrolled, split)
     if layout.plan is not None:
       print(layout.plan.describe())
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
@@ -96,8 +118,11 @@ def main(model_type, path, layouts):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(adapter), jax.tree.leaves(ref_lora)):
       assert rel(a, b) <= 1e-5, rel(a, b)  # Adam amplifies noise of near-zero gradients elementwise
+    if latents is not None:  # sequence parallelism's samples
+      assert rel(latents, ref_latents) <= 1e-5, rel(latents, ref_latents)
     print(f"(data, stage, seq) = ({data}, {stages}, {seq}){', unrolled' if unrolled else ''}"
-          f"{f', partition_split={list(split)}' if split else ''}: loss, gradients and losses {losses} match one device")
+          f"{f', partition_split={list(split)}' if split else ''}: loss, gradients, losses {losses}"
+          f"{' and samples' if latents is not None else ''} match one device")
   print("ok")
 
 
