@@ -132,11 +132,12 @@ def denoise(model, params, adapter, model_config, conditioning: dict, noise, gri
   adapter = adapter and lora.in_dtype(adapter, model.module.dtype)  # converted once, not a step
   ahead = step.ahead(adapter, params, batch, x, schedule[:-1], schedule[1:])
   schedule = [jnp.asarray(s) for s in schedule]  # on the device once, not a copy a step
-  placed = x.sharding
+  # x kept where it was placed: under sequence parallelism XLA returns the latents split over
+  # 'seq', which the next step would compile again for (traced whole, x has no placement)
+  placed = None if isinstance(x, jax.core.Tracer) else x.sharding
   for i in range(steps):
-    # kept where it was placed: under sequence parallelism XLA returns the latents split over
-    # 'seq', which the next step would compile again for
-    x = jax.device_put(step.step(ahead[i], adapter, params, batch, x, schedule[i], schedule[i + 1]), placed)
+    x = step.step(ahead[i], adapter, params, batch, x, schedule[i], schedule[i + 1])
+    x = x if placed is None else jax.device_put(x, placed)
     if progress is not None:
       progress(i)
   return x
