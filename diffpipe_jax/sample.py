@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from diffpipe_jax import lora, media, programs, stacks
+from diffpipe_jax import lora, media, programs, sequence, stacks
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.files import atomic_write
 
@@ -100,7 +100,7 @@ def step_fn(model, model_config, guidance: float, pipeline=None, split=False,
     if cfg_mode:
       uncond, cond = jnp.split(v, 2)
       v = uncond + guidance * (cond - uncond)
-    return x + (sigma_next - sigma) * v
+    return sequence.whole(x + (sigma_next - sigma) * v)  # as it came: the next step's input
   # A modulation reads its whole kernel for one row a step: computed ahead, it reads it once for
   # all the steps (BENCHMARKS.md, "Sampling: joined kernels, the gaps, the modulations").
   loop = programs.ahead_of_calls(step, carried=3, varying=(4, 5), jit_options=jit_options)
@@ -132,12 +132,8 @@ def denoise(model, params, adapter, model_config, conditioning: dict, noise, gri
   adapter = adapter and lora.in_dtype(adapter, model.module.dtype)  # converted once, not a step
   ahead = step.ahead(adapter, params, batch, x, schedule[:-1], schedule[1:])
   schedule = [jnp.asarray(s) for s in schedule]  # on the device once, not a copy a step
-  # x kept where it was placed: under sequence parallelism XLA returns the latents split over
-  # 'seq', which the next step would compile again for (traced whole, x has no placement)
-  placed = None if isinstance(x, jax.core.Tracer) else x.sharding
   for i in range(steps):
     x = step.step(ahead[i], adapter, params, batch, x, schedule[i], schedule[i + 1])
-    x = x if placed is None else jax.device_put(x, placed)
     if progress is not None:
       progress(i)
   return x

@@ -38,6 +38,13 @@ def over_tokens(x):
   return _constrained(x, "data", AXIS)
 
 
+def whole(x):
+  """x [B, ...] split along its batch over 'data' only, each device of a 'seq' group holding all
+  of its tokens: what a caller keeps between programs (the sampler's latents), which would
+  otherwise leave split over 'seq' and make the next call compile again."""
+  return _constrained(x, "data")
+
+
 def over_heads(x):
   """x [B, tokens, heads, head_dim] split along its heads over 'seq' (its batch over 'data')."""
   return _constrained(x, "data", None, AXIS)
