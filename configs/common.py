@@ -61,6 +61,10 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   # and are copied to the GPU beside the compute, forward and again backward (one stage only;
   # scanned, their stack is rematerialised block by block)
   c.blocks_to_swap = 0
+  # Each GPU's memory both frameworks may use (JAX's pool and PyTorch's VAE and text encoders),
+  # as on a smaller card: 24 on an 80 GB GPU trains as a 24 GB card would; 0: the whole card
+  # (diffpipe_jax/device_memory.py says how the two share it)
+  c.max_device_memory_gib = 0.0
   c.disable_block_swap_for_eval = False  # evals with every weight on the device (faster, more memory)
   # The loss: mean squared error of the velocity, or (one of these > 0) Huber with this delta or
   # smooth L1 with this beta (torch's definitions)

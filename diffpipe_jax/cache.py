@@ -17,7 +17,10 @@ Why: plain `.npy` opens with `np.load(mmap_mode='r')`, so a training step reads 
 from the page cache with no decoding and no copy, and every bucket's items share one shape. Each
 encoded batch becomes its own shard whose sidecar is renamed into place last: that rename is the
 shard's commit, so an interrupted run keeps every finished batch and a rerun skips them, at a cost
-per batch that does not grow with the dataset. Once all items are encoded each bucket is compacted
+per batch that does not grow with the dataset. The media are encoded first, the VAE alone on the
+device, each batch's shard committed with its latents only; then the text encoders alone add
+each shard's text embeddings and commit it again, whole (a GPU of 24 GB holds HunyuanVideo's 8B
+LLaMA or its VAE's activations, not both). Once all items are encoded each bucket is compacted
 into a single shard in key order, then `manifest.json` (the only thing readers open) is renamed
 into place and files it does not name are deleted; nothing half-written is ever read. A build
 holds `<cache dir>.lock` (beside the cache, which keeps only what the manifest names), so a second
@@ -42,6 +45,7 @@ from diffpipe_jax.files import atomic_write
 
 MANIFEST = "manifest.json"
 EMPTY = "empty"
+TEXT_DONE = "text"  # a sidecar's flag, False while its shard holds latents only
 
 
 def fingerprint(identity, item) -> str:
@@ -59,10 +63,11 @@ def write_json(path, obj):
   atomic_write(path, lambda f: f.write(json.dumps(obj).encode()))
 
 
-def write_shard(folder, arrays, meta):
-  """Writes one shard: its arrays first, its sidecar last (the commit). Returns the shard id."""
+def write_shard(folder, arrays, meta, sid=None):
+  """Writes one shard: its arrays first, its sidecar last (the commit); with `sid`, adds the
+  arrays to that shard and commits its new sidecar. Returns the shard id."""
   os.makedirs(folder, exist_ok=True)
-  sid = uuid.uuid4().hex[:12]
+  sid = sid or uuid.uuid4().hex[:12]
   for field, value in arrays.items():
     atomic_write(os.path.join(folder, f"{sid}.{field}.npy"), lambda f: np.save(f, value))
   write_json(os.path.join(folder, f"{sid}.json"), meta)
@@ -85,12 +90,46 @@ def committed_shards(cache_dir):
   return out
 
 
-def encode_batch(encoders, batch):
-  """A batch's arrays (the media's latents, the captions' embeddings) and its (F, H, W)."""
-  pixels = np.stack([item["load_pixels"]() for item in batch]).astype(np.float32)
-  captions = [item["caption"] for item in batch]
-  return dict(latents=encoders.encode_media(pixels),
-              **encoders.encode_text(captions, frames=pixels.shape[1])), pixels.shape[1:4]
+def committed_rows(shards):
+  """fingerprint -> (shard id, row, sidecar) of every row of `shards`."""
+  return {fp: (sid, row, meta) for _, sid, meta in shards for row, fp in enumerate(meta["fingerprints"])}
+
+
+def captioned(shards):
+  """The shards that hold their rows' text embeddings, not only their latents."""
+  return [shard for shard in shards if shard[2].get(TEXT_DONE, True)]
+
+
+def awaiting_text(cache_dir, wanted):
+  """The shards of latents whose text the text pass has not encoded yet, where every row is
+  still `wanted` (the others are collected as garbage and their wanted items encoded anew)."""
+  return [shard for shard in committed_shards(cache_dir) if not shard[2].get(TEXT_DONE, True)
+          and set(shard[2]["fingerprints"]) <= wanted.keys()]
+
+
+def encode_latents(cache_dir, todo, encoders, batch_size, bar):
+  """The media pass: each batch of `todo` (bucket name -> [(fingerprint, item)]) encoded by the
+  VAE into a shard of latents, committed without its text (its sidecar says so)."""
+  for name, pending in todo.items():
+    for start in range(0, len(pending), batch_size):
+      chunk = pending[start:start + batch_size]
+      pixels = np.stack([item["load_pixels"]() for _, item in chunk]).astype(np.float32)
+      meta = dict(fingerprints=[fp for fp, _ in chunk], keys=[it["key"] for _, it in chunk],
+                  bucket=list(chunk[0][1]["bucket"]),
+                  grid=list(encoders.latent_grid(*pixels.shape[1:4])), **{TEXT_DONE: False})
+      write_shard(os.path.join(cache_dir, name), dict(latents=encoders.encode_media(pixels)), meta)
+      bar.update(len(chunk))
+
+
+def encode_captions(cache_dir, shards, captions, encoders, bar):
+  """The text pass: each shard of latents gains its captions' embeddings (`captions`:
+  fingerprint -> caption), encoded as media of its frame count are, and is committed whole."""
+  for name, sid, meta in shards:
+    texts = [captions[fp] for fp in meta["fingerprints"]]
+    meta = {k: v for k, v in meta.items() if k != TEXT_DONE}
+    write_shard(os.path.join(cache_dir, name), encoders.encode_text(texts, frames=meta["bucket"][-1]),
+                meta, sid=sid)
+    bar.update(len(texts))
 
 
 def compact(cache_dir, name, live, rows, shards):
@@ -167,34 +206,34 @@ def update_cache(cache_dir, items, encoders, batch_size, regenerate) -> "Cache":
     shutil.rmtree(cache_dir)
   os.makedirs(cache_dir, exist_ok=True)
   identity = encoders.identity()
-  rows = {}  # fingerprint -> (shard id, row, sidecar) of every committed row
-  for _, sid, meta in committed_shards(cache_dir):
-    for row, fp in enumerate(meta["fingerprints"]):
-      rows[fp] = (sid, row, meta)
   wanted = {}  # fingerprint -> item, deduplicated, in input order
   for item in items:
     wanted.setdefault(fingerprint(identity, item), item)
+  # Two passes, the VAE alone then the text encoders alone, each freed before the next loads
+  # (`device_memory`); a shard of latents whose rows are all still wanted waits for its text.
+  started = committed_rows(captioned(committed_shards(cache_dir)) + awaiting_text(cache_dir, wanted))
   todo = {}
   for fp, item in wanted.items():
-    if fp not in rows:
+    if fp not in started:
       todo.setdefault(bucket_name(item["bucket"]), []).append((fp, item))
-  with tqdm(total=sum(map(len, todo.values())), desc="caching", unit="item") as bar:
-    for name, pending in todo.items():
-      for start in range(0, len(pending), batch_size):
-        chunk = pending[start:start + batch_size]
-        arrays, (frames, height, width) = encode_batch(encoders, [item for _, item in chunk])
-        meta = dict(fingerprints=[fp for fp, _ in chunk], keys=[it["key"] for _, it in chunk],
-                    bucket=list(chunk[0][1]["bucket"]),
-                    grid=list(encoders.latent_grid(frames, height, width)))
-        sid = write_shard(os.path.join(cache_dir, name), arrays, meta)
-        rows.update({fp: (sid, row, meta) for row, (fp, _) in enumerate(chunk)})
-        bar.update(len(chunk))
+  if todo:
+    with tqdm(total=sum(map(len, todo.values())), desc="caching latents", unit="item") as bar:
+      encode_latents(cache_dir, todo, encoders, batch_size, bar)
+    encoders.release(("vae",))
+  uncaptioned = awaiting_text(cache_dir, wanted)
+  if uncaptioned:
+    with tqdm(total=sum(len(s[2]["fingerprints"]) for s in uncaptioned), desc="caching captions",
+              unit="item") as bar:
+      encode_captions(cache_dir, uncaptioned, {fp: it["caption"] for fp, it in wanted.items()},
+                      encoders, bar)
   for note in encoders.truncation_notes():  # once per cache, not once per batch
     logging.warning("%s: %s", cache_dir, note)
+  shards = captioned(committed_shards(cache_dir))
+  rows = committed_rows(shards)
   by_bucket = {}
   for fp, item in wanted.items():
     by_bucket.setdefault(bucket_name(item["bucket"]), []).append((item["key"], fp))
-  buckets, shards = {}, committed_shards(cache_dir)
+  buckets = {}
   for name, live in sorted(by_bucket.items()):
     sid, meta = compact(cache_dir, name, sorted(live), rows, shards)
     empty = empty_caption(cache_dir, encoders, identity, meta["bucket"][-1], rows)

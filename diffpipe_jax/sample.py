@@ -241,7 +241,7 @@ def write(encoders, latents, prompts: Prompts, stems: Sequence[str], fps) -> lis
   written = []
   for stem, text, z in zip(stems, prompts.texts, latents):
     os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
-    pixels = encoders.decode_media(z[None], prompts.grid)[0]
+    pixels = encoders.decode(z[None], prompts.grid)[0]
     path = media.write_media(f"{stem}.{'png' if len(pixels) == 1 else 'mp4'}", pixels, fps)
     atomic_write(f"{stem}.txt", lambda f: f.write(text.encode() + b"\n"))
     written.append((path, pixels))
@@ -286,9 +286,10 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   prompt at the config's sample settings unless given. Writes `out` (one prompt: a .png or .mp4
   path) or `out`/NN.png|mp4 and NN.txt. Returns the paths written."""
   from tqdm import tqdm
-  from diffpipe_jax import family as family_lib, models, sharding, train, validate
+  from diffpipe_jax import device_memory, family as family_lib, models, sharding, train, validate
   family = family_lib.get(config.model.type)
   validate.check(config, family)
+  memory = device_memory.Sharing(config.max_device_memory_gib)  # before JAX's backend starts
   if not texts:
     raise UserError("give at least one --prompt (or a .txt file of a prompt a line)")
   texts, loras = prompt_lines(texts), [lora_argument(value) for value in loras]
@@ -296,6 +297,12 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
     if not os.path.exists(lora_path):
       raise UserError(f"--lora {lora_path} does not exist")
   path = train.prepare_paths(config, family)
+  # the prompts first, their text encoders freed before JAX takes its pool (`device_memory`)
+  encoders = family_lib.torch_side(family).load_encoders(config.model)
+  f, h, w = size(config)
+  prompts = encode_prompts(family, encoders, texts, frames or f, height or h, width or w)
+  encoders.release()
+  memory.training()
   # one device, the blocks unrolled (programs per block: faster than the scan), the config's
   # float8 base and swapped blocks
   layout = sharding.make_layout(sharding.make_mesh(1, jax.devices()[:1]), family.stacks(
@@ -305,9 +312,6 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   plain = models.abstract_params(family, model.module, model.config)  # the layer layout's shapes
   adapters = [lora.scaled(lora.read(lora_path, plain, family), scale) for lora_path, scale in loras]
   adapter = lora.combine(adapters) if adapters else None
-  encoders = family_lib.torch_side(family).load_encoders(config.model)
-  f, h, w = size(config)
-  prompts = encode_prompts(family, encoders, texts, frames or f, height or h, width or w)
   default_steps, default_guidance = defaults(family, config)
   steps, guidance = steps or default_steps, default_guidance if guidance < 0 else guidance
   seed = config.sample_seed if seed is None else seed

@@ -3,6 +3,7 @@ update of `update.py`, evals, saves, the loop), and what `main.py` calls after i
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -15,8 +16,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from diffpipe_jax import (checkpoint, data, errors, lora, media, models, optim, sample, sequence,
-                          sharding, stacks, tiny, validate)
+from diffpipe_jax import (checkpoint, data, device_memory, errors, lora, media, models, optim,
+                          sample, sequence, sharding, stacks, tiny, validate)
 from diffpipe_jax import family as family_lib, metrics as metrics_lib
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.update import EVAL_QUANTILES, init_state, make_eval, make_step
@@ -145,6 +146,11 @@ def eval_weights(params, config, layout):
   return stacks.to_device(params) if swapped else params
 
 
+def schedule(dataset) -> str:
+  return (f"global batches {sorted(set(map(dataset.batch_size, dataset.groups)))}; "
+          f"{dataset.steps_per_epoch} steps an epoch")
+
+
 def split_micro_batches(batch, n: int) -> list:
   """A loaded batch of `n` consecutive micro-batches (`data.Batches.load`) -> the `n` of them."""
   return [jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:])[a], batch) for a in range(n)]
@@ -225,10 +231,11 @@ def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
 def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.ExitStack):
   """`run`'s body; `on_exit` holds what must be released when it returns or raises."""
   use_compilation_cache(config.compilation_cache_dir)
-  is_main_process = jax.process_index() == 0  # the one that writes logs and exports
   family = family_lib.get(config.model.type)
   validate.check(config, family)  # every value, before anything is written or loaded
   metrics_lib.check_wandb(config)
+  memory = device_memory.Sharing(config.max_device_memory_gib)  # before JAX's backend starts
+  is_main_process = jax.process_index() == 0  # the one that writes logs and exports
 
   # ---------------------------------------------------------------- mesh
   mesh = sharding.make_mesh(config.pipeline_stages, sequence_parallel=config.sequence_parallel)
@@ -256,6 +263,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
     cached = cache_datasets(config, family, encoders, regenerate_cache)
     prompts = encode_sample_prompts(config, family, encoders) if sampling_on(config) else None
     encoders.release()
+  memory.training()  # from here JAX's pool, and PyTorch the rest (samples' decoding)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("datasets cached")
     path = path or prepare_paths(config, family)
@@ -271,10 +279,10 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   evals = {name: data.Batches(dirs, lambda b: eval_micro(b) * data_parallel * eval_accum, config.seed,
                               family.position_ids, name, micro_batches=eval_accum)
            for name, dirs in cached.items()}
-  if cache_only:
-    print("cached; exiting (--cache_only)")
-    return None
   steps_per_epoch = dataset.steps_per_epoch
+  if cache_only:
+    print(f"cached; exiting (--cache_only): {schedule(dataset)}")
+    return None
   total_steps = config.epochs * steps_per_epoch
   total_steps = min(total_steps, config.max_steps) if config.max_steps else total_steps
 
@@ -333,8 +341,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
     with open(os.path.join(run_dir, "config.json" if resume is None else "config_resumed.json"), "w") as f:
       f.write(metrics_lib.public_config(config).to_json_best_effort(indent=2))  # no API key
   print(f"run directory: {run_dir}; mesh {dict(mesh.shape)} over {len(jax.devices())} devices; "
-        f"global batches {sorted(set(map(dataset.batch_size, dataset.groups)))}; {steps_per_epoch} "
-        "steps an epoch")
+        f"{schedule(dataset)}")
 
   # ---------------------------------------------------------------- step, evals, saves
   step_fn = make_step(model, config, tx, layout)
@@ -410,12 +417,22 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
       ckpt.save(step, to_layers(state), dict(step=step, epoch=epoch, batch_index=batch_index,
                                              steps_per_epoch=steps_per_epoch))
 
+  def placed_batches(start):
+    """(bucket, its examples, the global batch on the mesh) of steps `start`, `start + 1`, ...
+    through the epochs, each batch read and sent to the devices when asked for."""
+    for epoch in itertools.count(start // steps_per_epoch):
+      first = max(start - epoch * steps_per_epoch, 0)
+      loaded = dataset.iterate(epoch, first, jax.process_index(), jax.process_count())
+      for (bucket, rows), batch in zip(dataset.epoch(epoch)[first:], loaded):
+        yield bucket, len(rows), sharding.global_batch(mesh, jax.tree.map(
+            lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch))
+
   # ---------------------------------------------------------------- loop
   key = jax.random.key(config.seed + 1)
   last_checkpoint_time, last_saved_step = time.time(), None
   epoch_losses, first_losses, warned = [], [], set()
   bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
-  batch_iter, iter_epoch, schedule, compiled = None, None, None, set()
+  upcoming, compiled = placed_batches(step), set()
   stop = StopRequests()
   failed = True  # until the last export: an error or a stop ends the W&B run as failed
   try:
@@ -423,21 +440,18 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
       run_evals(0)
     if prompts is not None and config.sample_before_first_step and step == 0:
       run_samples(0)  # the base model (the LoRA starts at zero): what samples are compared with
+    batch = next(upcoming) if step < total_steps else None
     while step < total_steps:
-      epoch, index = divmod(step, steps_per_epoch)
-      if iter_epoch != epoch:  # a new epoch, or a resumed run: the schedule continues exactly
-        batch_iter, iter_epoch = dataset.iterate(epoch, index, jax.process_index(), jax.process_count()), epoch
-        schedule = dataset.epoch(epoch)
-      batch = next(batch_iter)
-      batches = sharding.global_batch(mesh, jax.tree.map(
-          lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch))
-      examples_before, examples = examples, examples + len(schedule[index][1])
-      bucket = schedule[index][0]  # (width, height, frames): a new one compiles the step first
+      epoch = step // steps_per_epoch
+      bucket, size, batches = batch  # bucket: (width, height, frames); a new one compiles the step
+      examples_before, examples = examples, examples + size
       if bucket not in compiled:
         width, height, frames = bucket
         bar.set_description(f"compiling the step for {width}x{height}"
                             + (f", {frames} frames" if frames > 1 else ""))
       state, step_metrics = step_fn(state, params, batches, jax.random.fold_in(key, step))
+      # the next batch is read and copied while this step runs (the step is dispatched, not done)
+      batch = next(upcoming) if step + 1 < total_steps else None
       loss, grad_norm = float(step_metrics["loss"]), float(step_metrics["grad_norm"])
       if bucket not in compiled:
         compiled.add(bucket)

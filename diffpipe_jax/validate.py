@@ -58,6 +58,7 @@ RULES = {
     "unrolled": Rule("True, False or None (True where it can be)", lambda v: v is None or isinstance(v, bool)),
     "compilation_cache_dir": TEXT,
     "blocks_to_swap": integer(0),
+    "max_device_memory_gib": number(0),
     "model.type": choice(*family_lib.names()),
     "model.dtype": choice(*DTYPES),
     "model.transformer_dtype": choice(*TRANSFORMER_DTYPES),

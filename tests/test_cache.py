@@ -148,3 +148,32 @@ def test_encoders_load_inside_the_cache_bar_without_bars_of_their_own(family_pip
   said = capsys.readouterr()
   assert "loading the VAE" in said.out + said.err and "caching" in said.err
   assert "\x1b[" not in said.out + said.err
+
+
+def test_the_vae_and_the_text_encoders_are_never_loaded_together(family_pipeline, encoders,
+                                                                tmp_path, monkeypatch):
+  """Caching encodes the media with the VAE alone, frees it, then the captions with the text
+  encoders alone (on a 24 GB GPU HunyuanVideo's LLaMA leaves no room for the VAE's work); a
+  run stopped in the text pass keeps its latents: the next one encodes no media again, and the
+  cache equals one built in a single run."""
+  fresh = load_encoders(*family_pipeline)
+  vae_loaded, load_text_encoders = [], fresh.load_text_encoders
+  monkeypatch.setattr(fresh, "load_text_encoders",
+                      lambda: vae_loaded.append("vae" in vars(fresh)) or load_text_encoders())
+  encode_text, media_calls = fresh.encode_text, []
+  monkeypatch.setattr(fresh, "encode_text", lambda *a, **k: (_ for _ in ()).throw(
+      RuntimeError("interrupted")))
+  monkeypatch.setattr(fresh, "encode_media", lambda px, f=fresh.encode_media: media_calls.append(len(px)) or f(px))
+  items = make_items(5)
+  with pytest.raises(RuntimeError, match="interrupted"):
+    cache.build_cache(str(tmp_path / "c"), items, fresh, batch_size=2)
+  assert sum(media_calls) == 5 and "vae" not in vars(fresh)
+  monkeypatch.setattr(fresh, "encode_text", encode_text)
+  c = cache.build_cache(str(tmp_path / "c"), items, fresh, batch_size=2)
+  assert sum(media_calls) == 5 and vae_loaded == [False]
+  ref = cache.build_cache(str(tmp_path / "ref"), items, encoders, batch_size=2)
+  for bucket, n in ref.buckets():
+    assert c.keys(bucket) == ref.keys(bucket)
+    for i in range(n):
+      for k, v in ref.get(bucket, i).items():
+        np.testing.assert_allclose(c.get(bucket, i)[k], v, rtol=1e-5, atol=1e-5)

@@ -235,3 +235,32 @@ def test_a_sample_size_the_vae_cannot_take_is_one_line():
     sample.checked_size(video, 6, 32, 40)
   with pytest.raises(ValueError, match="this family draws images: frames must be 1, not 5"):
     sample.checked_size(types.SimpleNamespace(pixel_multiple=16, frames_per_latent=None), 5, 32, 32)
+
+
+def test_decoding_short_of_gpu_memory_tiles_then_moves_to_the_cpu(pipeline_folder, monkeypatch):
+  """Beside JAX's pool PyTorch may run out of GPU memory decoding a sample (a 24 GB card): the
+  decode is tried again with the VAE tiled, then with the VAE on the CPU in float32. (Here the
+  "GPU" is the CPU in bfloat16 and running out is simulated: decode_media fails the first `n`
+  times. Tiles are blended at their seams, so a tiled decode is not the plain one: at these
+  tiny sizes, where the VAEs' tiles are a few pixels, not even close.)"""
+  name, folder = pipeline_folder
+  frames, height, width = SIZES[name]
+  pixels = np.random.default_rng(0).uniform(-1, 1, (1, frames, height, width, 3)).astype(np.float32)
+  grid = load_encoders(name, folder).latent_grid(frames, height, width)
+  latents = load_encoders(name, folder).encode_media(pixels)
+  want = load_encoders(name, folder).decode_media(latents, grid)
+  for n, tiled, dtype in ((0, False, torch.bfloat16), (1, True, torch.bfloat16), (2, True, torch.float32)):
+    enc = load_encoders(name, folder, dtype=torch.bfloat16)
+    decode_media, failures = enc.decode_media, [n]
+    def short_of_memory(*args):
+      failures[0] -= 1
+      if failures[0] >= 0:
+        raise torch.OutOfMemoryError("simulated")
+      return decode_media(*args)
+    monkeypatch.setattr(enc, "decode_media", short_of_memory)
+    got = enc.decode(latents, grid)
+    assert (bool(getattr(enc.vae, "use_tiling", False)), enc.vae.dtype) == (tiled, dtype), n
+    assert got.shape == want.shape and (tiled or rel_err(got, want) < 0.05), (n, rel_err(got, want))
+  failures[0] = 3
+  with pytest.raises(torch.OutOfMemoryError):
+    enc.decode(latents, grid)  # no third way: the error stands

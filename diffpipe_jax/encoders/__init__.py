@@ -116,13 +116,37 @@ class Encoders:
     self.truncated = {}
     return notes
 
-  def release(self):
-    """Frees the models (and their GPU memory) before training starts."""
+  def release(self, attrs=None):
+    """Frees models (and their GPU memory): those of `attrs` (e.g. ("vae",), before the text
+    encoders load), or all of them (before training starts)."""
     import torch
-    for attr, _ in self.components.values():
+    for attr in attrs or [attr for attr, _ in self.components.values()]:
       self.__dict__.pop(attr, None)
     if torch.cuda.is_available():
       torch.cuda.empty_cache()
+
+  def decode(self, latents, grid):
+    """`decode_media` in the GPU memory PyTorch has beside JAX's pool (`device_memory`): where
+    that runs out, again with the VAE tiled (diffusers' `enable_tiling`: tiles blended at their
+    seams), and where even that does not fit, on the CPU in float32 (slower), saying so once."""
+    import torch
+    fallbacks = [("with the VAE tiled", lambda: self.vae.enable_tiling()),
+                 ("on the CPU", self.move_vae_to_cpu)]
+    while True:
+      try:
+        return self.decode_media(latents, grid)
+      except torch.OutOfMemoryError:
+        if not fallbacks:
+          raise
+      torch.cuda.empty_cache()
+      how, fallback = fallbacks.pop(0)
+      tqdm.write(f"decoding samples: out of GPU memory beside training; decoding {how} from now on")
+      fallback()
+
+  def move_vae_to_cpu(self):
+    """`decode_media` follows the VAE (its device and dtype)."""
+    import torch
+    self.vae = self.vae.to("cpu", torch.float32)
 
 
 def _beginning(caption, n=60):

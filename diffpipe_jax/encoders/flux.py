@@ -89,7 +89,7 @@ class FluxEncoders(Encoders):
     as FluxPipeline unpacks and decodes them."""
     import torch
     cfg, (rows, columns) = self.vae.config, grid
-    z = torch.from_numpy(np.array(latents, np.float32)).to(self.device, self.dtype)
+    z = torch.from_numpy(np.array(latents, np.float32)).to(self.vae.device, self.vae.dtype)
     b, _, c4 = z.shape
     z = z.view(b, rows, columns, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     z = z.reshape(b, c4 // 4, 2 * rows, 2 * columns) / cfg.scaling_factor + cfg.shift_factor

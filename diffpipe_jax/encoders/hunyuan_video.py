@@ -170,7 +170,7 @@ class HunyuanVideoEncoders(Encoders):
     """Latents [B, C, F', H', W'] -> np [B, F, H, W, 3] in [-1, 1], as HunyuanVideoPipeline
     decodes them (frame-wise decoding on, its default)."""
     import torch
-    z = torch.from_numpy(np.array(latents, np.float32)).to(self.device, self.dtype)
+    z = torch.from_numpy(np.array(latents, np.float32)).to(self.vae.device, self.vae.dtype)
     with torch.no_grad():
       pixels = self.vae.decode(z / self.vae.config.scaling_factor).sample
     return pixels.clamp(-1, 1).float().cpu().numpy().transpose(0, 2, 3, 4, 1)

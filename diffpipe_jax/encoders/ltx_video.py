@@ -122,7 +122,7 @@ class LTXVideoEncoders(Encoders):
     decode_timestep 0, so no noise is mixed in)."""
     import torch
     vae = self.vae
-    z = torch.from_numpy(np.array(latents, np.float32)).to(self.device, self.dtype)
+    z = torch.from_numpy(np.array(latents, np.float32)).to(self.vae.device, self.vae.dtype)
     z = z.view(z.shape[0], *grid, -1).permute(0, 4, 1, 2, 3)
     stats = lambda t: t.view(1, -1, 1, 1, 1).to(z.device, z.dtype)
     z = z * stats(vae.latents_std) / vae.config.scaling_factor + stats(vae.latents_mean)

@@ -1,0 +1,272 @@
+"""The whole job as a user runs it, at full size on a GPU: caching (twice: the second reuses the
+cache), training with evals, samples, LoRA exports and checkpoints at steps of their own, a
+resume, and the sampling command with the exported LoRA, each `main.py` or `diffpipe_jax.sample`
+process timed from outside (wall time, peak host memory, the GPU's peak memory as nvidia-smi
+sees the whole process) and from the run's own record (each step's TensorBoard wall time). Then
+`train_step.py` for the same shape and mode, the bare step, to compare the loop with. One table.
+
+  python benchmarks/full_size.py --family flux --layout diffusers --out /root/models/flux
+  python benchmarks/full_size.py --dataset --out /root/data
+  python benchmarks/full_job.py --family flux --models /root/models/flux --data /root/data \
+      --card 80 --out $OUT/flux80           # the recipe for the card (80: the lent card as it is)
+  python benchmarks/full_job.py ... --card 24   # both frameworks held to 24 GiB (max_device_memory_gib)
+
+Each phase's log and the figures so far are written to --out as they come (a.json), so a call
+cut short still returns what it measured. `--smoke` runs the family's `:tiny` pipeline on the
+CPU, a few steps, to test this script.
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import statistics
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Each family's README recipe per card (the keys a user sets on the command line); the full job
+# uses the layout given to --models: a diffusers folder, or one with the family's single files.
+RECIPES = {
+    "flux": dict(
+        config="flux", data="images", step=dict(model="flux", res=1024),
+        cards={"80": dict(overrides={}, modes="per-block remat", swap=0),
+               "24": dict(overrides={"model.transformer_dtype": "float8", "blocks_to_swap": 4},
+                          modes="fp8 base + per-block remat (unrolled)", swap=4)}),
+}
+# Three aspect-ratio buckets near 1024x1024 pixels: three shapes to compile, as a user's
+# mixed-aspect set gives (dataset.num_ar_buckets), in a few minutes of a GPU
+DATASET_KEYS = {"dataset.min_ar": 0.75, "dataset.max_ar": 1.333, "dataset.num_ar_buckets": 3}
+PROMPTS = ("a photograph of a red cube on a wooden table, morning light",
+           "a watercolour of a lighthouse at dusk")
+
+
+def user_config(path, family, models, data):
+  """A config file as a user writes one: the family's config with their folders, an eval set and
+  sample prompts (eval_datasets entries cannot be added by --config overrides)."""
+  recipe = RECIPES[family]
+  with open(path, "w") as f:
+    f.write(textwrap.dedent(f'''\
+        from configs import {recipe["config"]} as family
+
+
+        def get_config(arg=""):
+          c = family.get_config(arg)
+          c.model.diffusers_path = {models!r}
+          c.dataset.path = {os.path.join(data, recipe["data"])!r}
+          c.eval_datasets.held_out = dict(path={os.path.join(data, "eval")!r}, toml_path="")
+          c.sample_prompts = {PROMPTS!r}
+          return c
+        '''))
+
+
+def flags(overrides: dict) -> list:
+  return [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+class GpuMemory:
+  """The GPU's peak memory in use (MiB, nvidia-smi: every process's, contexts included) while
+  it runs; None without nvidia-smi."""
+
+  def __init__(self):
+    try:
+      self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                    "-lms", "200"], stdout=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+      self.proc, self.peak = None, None
+      return
+    self.peak = 0
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      if line.strip().isdigit():
+        self.peak = max(self.peak, int(line.split()[0]))
+
+  def stop(self):
+    if self.proc:
+      self.proc.terminate()
+    return self.peak
+
+
+def run(name, args, out, env=None):
+  """Runs a command; returns its wall time, exit code, peak host RSS (GiB), the GPU's peak (MiB)
+  and its output as (seconds since start, line) pairs, every \\r-refreshed bar line included."""
+  gpu, start = GpuMemory(), time.time()
+  proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+  lines, log = [], open(os.path.join(out, f"{name}.log"), "w")
+  pending = b""
+  while chunk := proc.stdout.read1(1 << 16):
+    now = time.time() - start
+    *done, pending = re.split(rb"[\r\n]", pending + chunk)
+    for raw in done:
+      if raw.strip():
+        lines.append((now, raw.decode(errors="replace")))
+        log.write(f"{now:9.2f} {lines[-1][1]}\n")
+  log.close()
+  _, status, usage = os.wait4(proc.pid, 0)
+  proc.returncode = os.waitstatus_to_exitcode(status)
+  return dict(seconds=time.time() - start, rc=proc.returncode, host_gib=usage.ru_maxrss / 2**20,
+              gpu_mib=gpu.stop(), start=start, lines=lines)
+
+
+def tensorboard_scalars(run_dir, tag):
+  """(step, wall time, value) of every write of `tag` in a run's TensorBoard events."""
+  from tensorboardX.proto import event_pb2
+  out = []
+  for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
+    with open(path, "rb") as f:
+      while header := f.read(12):  # length, its CRC
+        (n,) = struct.unpack("<Q", header[:8])
+        event = event_pb2.Event.FromString(f.read(n))
+        f.read(4)
+        out += [(event.step, event.wall_time, v.simple_value) for v in event.summary.value if v.tag == tag]
+  return out
+
+
+def step_times(steps, first, last):
+  """{step: seconds since the step before} for the steps first..last (TensorBoard wall times)."""
+  at = {s: t for s, t, _ in steps}
+  return {s: at[s] - at[s - 1] for s in range(first + 1, last + 1) if s in at and s - 1 in at}
+
+
+def bar_rate(result, desc):
+  """Items a second of the largest tqdm bar named `desc` (a cache's, of several datasets'), from
+  its first update past 0 to its last; None for fewer than two updates."""
+  bars = []  # [(seconds, count)] per bar, a new bar where the count restarts
+  for t, line in result["lines"]:
+    m = re.search(rf"{desc}:[^|]*\|[^|]*\|\s*(\d+)/(\d+)", line)
+    if m:
+      n, total = int(m.group(1)), int(m.group(2))
+      if not bars or n < bars[-1][-1][1] or total != bars[-1][-1][2]:
+        bars.append([])
+      bars[-1].append((t, n, total))
+  done = [(t, n) for t, n, _ in max(bars, key=lambda b: b[0][2], default=[]) if n > 0]
+  return (done[-1][1] - done[0][1]) / (done[-1][0] - done[0][0]) if len(done) > 1 and done[-1][0] > done[0][0] else None
+
+
+def bar_span(result, desc):
+  """Seconds from a tqdm bar's first line to its last update (loading's bar: the load's time)."""
+  shown = [t for t, line in result["lines"] if re.search(rf"{desc}:", line)]
+  return shown[-1] - shown[0] if shown else None
+
+
+def run_dir_of(result):
+  return next(line.split("run directory: ")[1].split(";")[0] for _, line in result["lines"]
+              if "run directory: " in line)
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--family", choices=sorted(RECIPES), default="flux")
+  p.add_argument("--models", help="the family's diffusers folder (--layout single_file: plus its single file)")
+  p.add_argument("--single_file", default="", help="the transformer's single file (model.transformer_path "
+                 "or model.single_file_path, as the family names it)")
+  p.add_argument("--data", help="full_size.py --dataset's folder")
+  p.add_argument("--card", choices=("80", "24"), default="80")
+  p.add_argument("--epochs", type=int, default=2, help="the first compiles each bucket, the rest is steady")
+  p.add_argument("--out", required=True)
+  p.add_argument("--smoke", action="store_true", help="the :tiny pipeline on the CPU")
+  a = p.parse_args()
+  os.makedirs(a.out, exist_ok=True)
+  recipe, card = RECIPES[a.family], RECIPES[a.family]["cards"][a.card]
+  results = {}
+
+  def record(name, result, **figures):
+    results[name] = dict({k: v for k, v in result.items() if k not in ("lines", "start")}, **figures)
+    with open(os.path.join(a.out, "a.json"), "w") as f:
+      json.dump(results, f, indent=1)
+    if result["rc"]:
+      print(f"{name} failed (rc {result['rc']}): {os.path.join(a.out, name + '.log')}", flush=True)
+      print("\n".join(line for _, line in result["lines"][-15:]), flush=True)
+      raise SystemExit(1)
+
+  config = os.path.join(a.out, "job_config.py")
+  if a.smoke:
+    config_arg, keys = f"configs/{recipe['config']}.py:tiny", {"epochs": a.epochs}
+  else:
+    user_config(config, a.family, a.models, a.data)
+    config_arg, keys = config, dict(DATASET_KEYS, epochs=a.epochs, **card["overrides"])
+    if a.single_file:
+      keys["model.transformer_path"] = a.single_file
+  if a.card != "80":
+    keys["max_device_memory_gib"] = int(a.card)
+  output_dir = os.path.join(a.out, "runs")
+  base = [sys.executable, "main.py", "--config", config_arg, f"--config.output_dir={output_dir}",
+          "--config.compilation_cache_dir=" + os.path.join(a.out, "xla_cache")]
+  env = dict(JAX_PLATFORMS="cpu") if a.smoke else {}
+
+  # caching: once from nothing, once more reusing it
+  for name in ("cache", "cache_again"):
+    r = run(name, base + flags(keys) + ["--cache_only"], a.out, env)
+    record(name, r, latents_per_s=bar_rate(r, "caching latents"),
+           captions_per_s=bar_rate(r, "caching captions"))
+
+  # training: an eval, a sample, an export and a checkpoint each after a step of its own, after
+  # the first epoch (which compiles each bucket): each one's time is its step's excess over the
+  # median step. Then the last step's checkpoint and export.
+  per_epoch = int(re.search(r"(\d+) steps an epoch", " ".join(line for _, line in r["lines"])).group(1))
+  actions = ("eval", "sample", "save", "checkpoint")
+  at = {k: per_epoch + 2 * (i + 1) for i, k in enumerate(actions)}
+  total = max(a.epochs * per_epoch, at["checkpoint"] + 4)  # the last two steps: the resume's
+  train_keys = dict(keys, epochs=-(-total // per_epoch), max_steps=total - 2, eval_before_first_step=False,
+                    sample_before_first_step=False, eval_every_n_epochs=0, eval_every_n_steps=at["eval"],
+                    sample_every_n_epochs=0, sample_every_n_steps=at["sample"], save_every_n_epochs=0,
+                    save_every_n_steps=at["save"], checkpoint_every_n_steps=at["checkpoint"],
+                    checkpoint_every_n_minutes=0)
+  r = run("train", base + flags(train_keys), a.out, env)
+  run_dir = run_dir_of(r)
+  steps = tensorboard_scalars(run_dir, "train/loss")
+  times = step_times(steps, 1, total - 2)
+  steady = [t for s, t in times.items() if s > per_epoch and s - 1 not in at.values()]
+  median = statistics.median(steady)
+  peaks = [v for _, _, v in tensorboard_scalars(run_dir, "train/peak_memory_gib")]
+  record("train", r, run_dir=run_dir, steps=len(steps), steps_per_epoch=per_epoch,
+         first_step_s=steps[0][1] - r["start"], load_s=bar_span(r, "loading weights"),
+         steady_step_s=median, steady_steps=len(steady), jax_peak_gib=max(peaks, default=None),
+         **{f"{k}_s": times[s + 1] - median for k, s in at.items()},
+         final_save_s=r["seconds"] - (steps[-1][1] - r["start"]))
+
+  # a resume for the last two steps: the time to its first step
+  r = run("resume", base + flags(dict(train_keys, max_steps=total)) + [
+      f"--resume_from_checkpoint={os.path.basename(run_dir)}"], a.out, env)
+  resumed = [s for s in tensorboard_scalars(run_dir, "train/loss") if s[1] > r["start"]]
+  record("resume", r, first_step_s=resumed[0][1] - r["start"] if resumed else None)
+
+  # the sampling command with the last export
+  lora = sorted(glob.glob(os.path.join(run_dir, "*", "pytorch_lora_weights.safetensors")), key=os.path.getmtime)[-1]
+  sample_keys = {k: v for k, v in keys.items() if k.startswith(("model.", "blocks_to_swap", "max_device"))}
+  r = run("sample_command", [sys.executable, "-m", "diffpipe_jax.sample", "--config", config_arg,
+                             *flags(sample_keys), "--lora", lora, "--prompt", PROMPTS[0],
+                             "--out", os.path.join(a.out, "sample_command")], a.out, env)
+  record("sample_command", r, load_s=bar_span(r, "loading weights"), sampling_s=bar_span(r, "sampling"))
+
+  # the bare step, same shape and mode, in its own process
+  if not a.smoke:
+    step = recipe["step"]
+    r = run("train_step", [sys.executable, "benchmarks/train_step.py", "--model", step["model"],
+                           "--res", str(step["res"]), "--modes", card["modes"],
+                           "--blocks_to_swap", str(card["swap"])], a.out)
+    record("train_step", r, table=[line for _, line in r["lines"] if line.startswith("|")])
+  print("\n".join(table(results)))
+
+
+def table(results) -> list:
+  """The job's figures, a row per process."""
+  rows = ["| process | wall (s) | host peak (GiB) | GPU peak (GiB, nvidia-smi) | figures |", "|---|---|---|---|---|"]
+  for name, r in results.items():
+    figures = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                        if k not in ("seconds", "rc", "host_gib", "gpu_mib", "run_dir", "table") and v is not None)
+    gpu = "-" if r["gpu_mib"] is None else f"{r['gpu_mib'] / 1024:.1f}"
+    rows.append(f"| {name} | {r['seconds']:.1f} | {r['host_gib']:.1f} | {gpu} | {figures} |")
+  return rows + results.get("train_step", {}).get("table", [])
+
+
+if __name__ == "__main__":
+  main()
