@@ -11,8 +11,9 @@ sees the whole process) and from the run's own record (each step's TensorBoard w
       --card 80 --out $OUT/flux80           # the recipe for the card (80: the lent card as it is)
   python benchmarks/full_job.py ... --card 24   # both frameworks held to 24 GiB (max_device_memory_gib)
 
-Each phase's log and the figures so far are written to --out as they come (a.json), so a call
-cut short still returns what it measured. `--smoke` runs the family's `:tiny` pipeline on the
+Each phase's log and the figures so far are written to --out as they come (a.json); `--phases`
+runs some of them, the others' figures read from there, so that a job can span several calls
+of a device lent for ten minutes at a time. `--smoke` runs the family's `:tiny` pipeline on the
 CPU, a few steps, to test this script.
 """
 import argparse
@@ -162,25 +163,30 @@ def run_dir_of(result):
               if "run directory: " in line)
 
 
+PHASES = ("cache", "cache_again", "train", "resume", "sample_command", "train_step")
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--family", choices=sorted(RECIPES), default="flux")
-  p.add_argument("--models", help="the family's diffusers folder (--layout single_file: plus its single file)")
-  p.add_argument("--single_file", default="", help="the transformer's single file (model.transformer_path "
-                 "or model.single_file_path, as the family names it)")
+  p.add_argument("--models", help="the family's diffusers folder")
+  p.add_argument("--single_file", default="", help="the transformer's single file (model.transformer_path)")
   p.add_argument("--data", help="full_size.py --dataset's folder")
   p.add_argument("--card", choices=("80", "24"), default="80")
   p.add_argument("--epochs", type=int, default=2, help="the first compiles each bucket, the rest is steady")
-  p.add_argument("--out", required=True)
+  p.add_argument("--phases", default=",".join(PHASES), help="those to run now; the others' figures "
+                 "are read from --out, so that a job can span several calls")
+  p.add_argument("--out", required=True, help="the job's folder: runs, logs, figures (a.json)")
   p.add_argument("--smoke", action="store_true", help="the :tiny pipeline on the CPU")
   a = p.parse_args()
   os.makedirs(a.out, exist_ok=True)
   recipe, card = RECIPES[a.family], RECIPES[a.family]["cards"][a.card]
-  results = {}
+  figures = os.path.join(a.out, "a.json")
+  results = json.load(open(figures)) if os.path.exists(figures) else {}
 
-  def record(name, result, **figures):
-    results[name] = dict({k: v for k, v in result.items() if k not in ("lines", "start")}, **figures)
-    with open(os.path.join(a.out, "a.json"), "w") as f:
+  def record(name, result, **derived):
+    results[name] = dict({k: v for k, v in result.items() if k not in ("lines", "start")}, **derived)
+    with open(figures, "w") as f:
       json.dump(results, f, indent=1)
     if result["rc"]:
       print(f"{name} failed (rc {result['rc']}): {os.path.join(a.out, name + '.log')}", flush=True)
@@ -197,58 +203,62 @@ def main():
       keys["model.transformer_path"] = a.single_file
   if a.card != "80":
     keys["max_device_memory_gib"] = int(a.card)
-  output_dir = os.path.join(a.out, "runs")
-  base = [sys.executable, "main.py", "--config", config_arg, f"--config.output_dir={output_dir}",
+  base = [sys.executable, "main.py", "--config", config_arg,
+          "--config.output_dir=" + os.path.join(a.out, "runs"),
           "--config.compilation_cache_dir=" + os.path.join(a.out, "xla_cache")]
   env = dict(JAX_PLATFORMS="cpu") if a.smoke else {}
+  phases = a.phases.split(",")
 
-  # caching: once from nothing, once more reusing it
-  for name in ("cache", "cache_again"):
-    r = run(name, base + flags(keys) + ["--cache_only"], a.out, env)
-    record(name, r, latents_per_s=bar_rate(r, "caching latents"),
-           captions_per_s=bar_rate(r, "caching captions"))
+  # caching: from nothing (the encoders at this card's memory), then once more, reusing it
+  for name, again in (("cache", ["--regenerate_cache"]), ("cache_again", [])):
+    if name in phases:
+      r = run(name, base + flags(keys) + ["--cache_only"] + again, a.out, env)
+      record(name, r, latents_per_s=bar_rate(r, "caching latents"),
+             captions_per_s=bar_rate(r, "caching captions"),
+             steps_per_epoch=int(re.search(r"(\d+) steps an epoch", " ".join(l for _, l in r["lines"])).group(1)))
 
   # training: an eval, a sample, an export and a checkpoint each after a step of its own, after
   # the first epoch (which compiles each bucket): each one's time is its step's excess over the
-  # median step. Then the last step's checkpoint and export.
-  per_epoch = int(re.search(r"(\d+) steps an epoch", " ".join(line for _, line in r["lines"])).group(1))
-  actions = ("eval", "sample", "save", "checkpoint")
-  at = {k: per_epoch + 2 * (i + 1) for i, k in enumerate(actions)}
-  total = max(a.epochs * per_epoch, at["checkpoint"] + 4)  # the last two steps: the resume's
+  # median step. Then the last step's checkpoint and export; the resume trains the last two.
+  per_epoch = results["cache"]["steps_per_epoch"]
+  at = {k: per_epoch + 2 * (i + 1) for i, k in enumerate(("eval", "sample", "save", "checkpoint"))}
+  total = max(a.epochs * per_epoch, at["checkpoint"] + 4)
   train_keys = dict(keys, epochs=-(-total // per_epoch), max_steps=total - 2, eval_before_first_step=False,
                     sample_before_first_step=False, eval_every_n_epochs=0, eval_every_n_steps=at["eval"],
                     sample_every_n_epochs=0, sample_every_n_steps=at["sample"], save_every_n_epochs=0,
                     save_every_n_steps=at["save"], checkpoint_every_n_steps=at["checkpoint"],
                     checkpoint_every_n_minutes=0)
-  r = run("train", base + flags(train_keys), a.out, env)
-  run_dir = run_dir_of(r)
-  steps = tensorboard_scalars(run_dir, "train/loss")
-  times = step_times(steps, 1, total - 2)
-  steady = [t for s, t in times.items() if s > per_epoch and s - 1 not in at.values()]
-  median = statistics.median(steady)
-  peaks = [v for _, _, v in tensorboard_scalars(run_dir, "train/peak_memory_gib")]
-  record("train", r, run_dir=run_dir, steps=len(steps), steps_per_epoch=per_epoch,
-         first_step_s=steps[0][1] - r["start"], load_s=bar_span(r, "loading weights"),
-         steady_step_s=median, steady_steps=len(steady), jax_peak_gib=max(peaks, default=None),
-         **{f"{k}_s": times[s + 1] - median for k, s in at.items()},
-         final_save_s=r["seconds"] - (steps[-1][1] - r["start"]))
+  if "train" in phases:
+    r = run("train", base + flags(train_keys), a.out, env)
+    if r["rc"]:
+      record("train", r)
+    run_dir = run_dir_of(r)
+    steps = tensorboard_scalars(run_dir, "train/loss")
+    times = step_times(steps, 1, total - 2)
+    steady = [t for s, t in times.items() if s > per_epoch and s - 1 not in at.values()]
+    median = statistics.median(steady)
+    peaks = [v for _, _, v in tensorboard_scalars(run_dir, "train/peak_memory_gib")]
+    record("train", r, run_dir=run_dir, steps=len(steps), first_step_s=steps[0][1] - r["start"],
+           load_s=bar_span(r, "loading weights"), steady_step_s=median, steady_steps=len(steady),
+           jax_peak_gib=max(peaks, default=None), **{f"{k}_s": times[s + 1] - median for k, s in at.items()},
+           final_save_s=r["seconds"] - (steps[-1][1] - r["start"]))
+  run_dir = results["train"]["run_dir"]
 
-  # a resume for the last two steps: the time to its first step
-  r = run("resume", base + flags(dict(train_keys, max_steps=total)) + [
-      f"--resume_from_checkpoint={os.path.basename(run_dir)}"], a.out, env)
-  resumed = [s for s in tensorboard_scalars(run_dir, "train/loss") if s[1] > r["start"]]
-  record("resume", r, first_step_s=resumed[0][1] - r["start"] if resumed else None)
+  if "resume" in phases:  # the time to its first step
+    r = run("resume", base + flags(dict(train_keys, max_steps=total)) + [
+        f"--resume_from_checkpoint={os.path.basename(run_dir)}"], a.out, env)
+    resumed = [s for s in tensorboard_scalars(run_dir, "train/loss") if s[1] > r["start"]]
+    record("resume", r, first_step_s=resumed[0][1] - r["start"] if resumed else None)
 
-  # the sampling command with the last export
-  lora = sorted(glob.glob(os.path.join(run_dir, "*", "pytorch_lora_weights.safetensors")), key=os.path.getmtime)[-1]
-  sample_keys = {k: v for k, v in keys.items() if k.startswith(("model.", "blocks_to_swap", "max_device"))}
-  r = run("sample_command", [sys.executable, "-m", "diffpipe_jax.sample", "--config", config_arg,
-                             *flags(sample_keys), "--lora", lora, "--prompt", PROMPTS[0],
-                             "--out", os.path.join(a.out, "sample_command")], a.out, env)
-  record("sample_command", r, load_s=bar_span(r, "loading weights"), sampling_s=bar_span(r, "sampling"))
+  if "sample_command" in phases:  # with the last export
+    lora = max(glob.glob(os.path.join(run_dir, "*", "pytorch_lora_weights.safetensors")), key=os.path.getmtime)
+    sample_keys = {k: v for k, v in keys.items() if k.startswith(("model.", "blocks_to_swap", "max_device"))}
+    r = run("sample_command", [sys.executable, "-m", "diffpipe_jax.sample", "--config", config_arg,
+                               *flags(sample_keys), "--lora", lora, "--prompt", PROMPTS[0],
+                               "--out", os.path.join(a.out, "sample_command")], a.out, env)
+    record("sample_command", r, load_s=bar_span(r, "loading weights"), sampling_s=bar_span(r, "sampling"))
 
-  # the bare step, same shape and mode, in its own process
-  if not a.smoke:
+  if "train_step" in phases and not a.smoke:  # the bare step, same shape and mode
     step = recipe["step"]
     r = run("train_step", [sys.executable, "benchmarks/train_step.py", "--model", step["model"],
                            "--res", str(step["res"]), "--modes", card["modes"],
