@@ -616,7 +616,8 @@ def ltx_models(shrink: bool):
 def ltx_diffusers(shrink: bool) -> Plan:
   """LTX-Video 2B 0.9.1 in the diffusers layout (every component bf16)."""
   transformer, vae = ltx_models(shrink)
-  components = dict(scheduler=scheduler(ltx_video.SAMPLING.scheduler(ltx_video.LTXVideoConfig())), vae=vae, text_encoder=t5_xxl(shrink),
+  released = ltx_video.SAMPLING.scheduler(ltx_video.LTXVideoConfig())
+  components = dict(scheduler=scheduler(released), vae=vae, text_encoder=t5_xxl(shrink),
                     tokenizer=tiny.t5_tokenizer(), transformer=transformer)
   shards = dict(transformer=ONE_FILE, vae=ONE_FILE, text_encoder=max_shard_size("t5_xxl", shrink))
   return pipeline_folder("LTXPipeline", components, torch.bfloat16, shards)
