@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks import train_step
+from benchmarks import full_size, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a PyTorch peer whose run without checkpointing runs out of GPU memory, as at --res 2048
@@ -205,8 +205,6 @@ ENTRY %main (a: f32[16,4], b: f32[2,8]) -> f32[2,4] {
 
 
 # ---- benchmarks/full_size.py: full-size checkpoints and media, here at --shrink dimensions --------
-
-from benchmarks import full_size  # noqa: E402
 
 # (family, layout) -> what a user points the config at: model path, encoder keys
 SHRUNK_USES = {
