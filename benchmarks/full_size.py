@@ -21,7 +21,7 @@ Disk at full size (`--dry-run` lists every weight file's bytes and writes nothin
   ltx-video single_file    5.7 GB  ltx-video-2b-v0.9.1.safetensors (transformer + VAE, bf16)
   hunyuan-video comfyui   31.5 GB  hunyuan_video_720_cfgdistill_fp8_e4m3fn.safetensors,
                                    hunyuan_video_vae_bf16.safetensors,
-                                   llava-llama-3-8b-text-encoder-tokenizer/ (bf16, 4 shards),
+                                   llava-llama-3-8b-text-encoder-tokenizer/ (fp16, 4 shards),
                                    clip-vit-large-patch14/ (CLIPModel, float32)
   hunyuan-video official  44.4 GB  hunyuan-video-t2v-720p/transformers/mp_rank_00_model_states.pt
                                    (bf16), hunyuan-video-t2v-720p/vae/ (float32), text_encoder/,
@@ -132,10 +132,11 @@ RELEASED = dict(
         up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(128, 256, 512, 512),
         layers_per_block=2, act_fn="silu", norm_num_groups=32, scaling_factor=0.476986,
         spatial_compression_ratio=8, temporal_compression_ratio=4, mid_block_add_attention=True),
-    # Kijai/llava-llama-3-8b-text-encoder-tokenizer config.json: the language model of
-    # xtuner/llava-llama-3-8b-v1_1 (Meta-Llama-3-8B-Instruct's architecture)
+    # Kijai/llava-llama-3-8b-text-encoder-tokenizer config.json (hunyuanvideo-community/
+    # HunyuanVideo text_encoder/'s too): the language model of xtuner/llava-llama-3-8b-v1_1,
+    # LLaMA-3-8B with its vocabulary grown for LLaVA's tokens and padded to 128320 rows
     llama_3_8b=dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        vocab_size=128320, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, hidden_act="silu",
         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
         attention_bias=False, mlp_bias=False, tie_word_embeddings=False, bos_token_id=128000,
@@ -657,9 +658,10 @@ def hunyuan_vae(shrink: bool):
 
 
 def llama_folder(folder: str, shrink: bool) -> Plan:
-  """The LLaVA's LLaMA-3-8B language model (LlamaForCausalLM) with its tokenizer, bf16, 4 shards."""
+  """The LLaVA's LLaMA-3-8B language model (LlamaForCausalLM) with its tokenizer: float16 (as
+  Tencent's extraction script saves it), 4 shards."""
   model = transformers_model("LlamaForCausalLM", "LlamaConfig", config("llama_3_8b", shrink))
-  return (transformers_folder(folder, model, torch.bfloat16, max_shard_size("llama_3_8b", shrink))
+  return (transformers_folder(folder, model, torch.float16, max_shard_size("llama_3_8b", shrink))
           + tokenizer_files(folder, tiny.llama_tokenizer()))
 
 
