@@ -204,6 +204,7 @@ def config(name: str, shrink: bool) -> dict:
 
 
 def max_shard_size(name: str, shrink: bool) -> str:
+  """The shard size save_pretrained was (or, shrunk, is) given for a model."""
   return (SHRUNK_SHARD_SIZE if shrink else MAX_SHARD_SIZE).get(name, ONE_FILE)
 
 
@@ -482,12 +483,14 @@ class Plan:
 
 
 def diffusers_model(class_name: str, cfg: dict):
+  """A diffusers model on the meta device: its state dict's names and shapes, no memory."""
   import diffusers
   with torch.device("meta"):
     return getattr(diffusers, class_name)(**cfg)
 
 
 def transformers_model(class_name: str, config_name: str, cfg: dict):
+  """A transformers model on the meta device, of its config class built from `cfg`."""
   import transformers
   model_config = getattr(transformers, config_name)(**cfg)
   with torch.device("meta"):
