@@ -8,9 +8,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from benchmarks import train_step
+from benchmarks import full_size, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a PyTorch peer whose run without checkpointing runs out of GPU memory, as at --res 2048
@@ -201,3 +202,229 @@ ENTRY %main (a: f32[16,4], b: f32[2,8]) -> f32[2,4] {
   (kernel,) = deviceless.kernels(hlo)
   assert (kernel.kind, kernel.flops, kernel.bytes_in, kernel.bytes_out) == (
       "matmul", 2 * 8 * 2 * 4, 4 * (8 * 4 + 2 * 8), 4 * 2 * 4)
+
+
+# ---- benchmarks/full_size.py: full-size checkpoints and media, here at --shrink dimensions --------
+
+# (family, layout) -> what a user points the config at: model path, encoder keys
+SHRUNK_USES = {
+    ("flux", "diffusers"): ("", dict(diffusers_path="")),
+    ("flux", "single_file"): ("flux1-dev.safetensors", None),
+    ("ltx-video", "diffusers"): ("", dict(diffusers_path="")),
+    ("ltx-video", "single_file"): ("ltx-video-2b-v0.9.1.safetensors",
+                                   dict(diffusers_path="../ltx-video-diffusers",
+                                        single_file_path="ltx-video-2b-v0.9.1.safetensors")),
+    ("hunyuan-video", "comfyui"): ("hunyuan_video_720_cfgdistill_fp8_e4m3fn.safetensors",
+                                   dict(diffusers_path=None, vae_path="hunyuan_video_vae_bf16.safetensors",
+                                        llm_path="llava-llama-3-8b-text-encoder-tokenizer",
+                                        clip_path="clip-vit-large-patch14")),
+    ("hunyuan-video", "official"): ("", dict(diffusers_path=None, ckpt_path="")),
+}
+
+
+@pytest.fixture(scope="module")
+def shrunk_layouts(tmp_path_factory):
+  """Every family's every layout, written by the command line at --shrink: (family, layout) ->
+  its folder."""
+  root = tmp_path_factory.mktemp("full_size")
+  folders = {}
+  for family, layouts in full_size.LAYOUTS.items():
+    for layout in layouts:
+      folders[family, layout] = str(root / f"{family}-{layout}")
+      full_size.main(["--family", family, "--layout", layout, "--out", folders[family, layout],
+                      "--shrink"])
+  return folders
+
+
+def in_folder(folder, path):
+  """`path` under `folder` ("" is the folder; None stays None: a key left empty)."""
+  return None if path is None else os.path.normpath(os.path.join(folder, path))
+
+
+@pytest.mark.parametrize("family,layout", sorted(SHRUNK_USES))
+def test_full_size_layouts_load_as_users_load_them(shrunk_layouts, family, layout):
+  """Each layout's transformer through `models.load` (ComfyUI's float8 file as the float8 base),
+  and its encoders through the family's `load_encoders`, encoding an image and a caption."""
+  import jax.numpy as jnp
+  from conftest import family_config
+  from diffpipe_jax import family as family_lib
+  from diffpipe_jax import models
+  folder = shrunk_layouts[family, layout]
+  model_path, keys = SHRUNK_USES[family, layout]
+  float8 = "fp8" in model_path
+  model = models.load(family, in_folder(folder, model_path), progress=False,
+                      transformer_dtype="float8" if float8 else None)
+  if float8:
+    assert model.params["double_blocks"]["img_attn_qkv"]["kernel"].dtype == jnp.float8_e4m3fn
+  if keys is None:  # BFL's file is the transformer alone
+    return
+  model_config = family_config(family).model
+  for key, path in keys.items():
+    setattr(model_config, key, in_folder(folder, path) or "")
+  encoders = family_lib.torch_side(model.family).load_encoders(model_config, device="cpu")
+  pixels = np.random.default_rng(0).uniform(-1, 1, (1, 1, 32, 32, 3)).astype(np.float32)
+  encoded = [encoders.encode_media(pixels), *encoders.encode_text(["a red circle"], 1).values()]
+  assert all(np.isfinite(x).all() for x in encoded)
+  encoders.release()
+
+
+def test_full_size_diffusers_folders_load_in_diffusers(shrunk_layouts):
+  """The pipeline folders load whole in diffusers, every component its class, with our values."""
+  import diffusers
+  import torch
+  from diffpipe_jax.convert.tensorfile import TensorFiles, safetensors_in_folder
+  for family, pipeline in (("flux", "FluxPipeline"), ("ltx-video", "LTXPipeline")):
+    folder = shrunk_layouts[family, "diffusers"]
+    pipe = getattr(diffusers, pipeline).from_pretrained(folder, dtype=torch.bfloat16)
+    with open(f"{folder}/model_index.json") as f:
+      classes = {k: v[1] for k, v in json.load(f).items() if isinstance(v, list) and v[0]}
+    assert {k: type(pipe.components[k]).__name__ for k in classes} == classes
+    stored = TensorFiles(safetensors_in_folder(f"{folder}/transformer"))["proj_out.weight"]
+    np.testing.assert_array_equal(pipe.transformer.proj_out.weight.detach().float().numpy(),
+                                  stored.astype(np.float32))
+
+
+def safetensors_summary(folder):
+  """{file: its header (dtype and shape per tensor, metadata) or JSON content} of a folder."""
+  from diffpipe_jax.convert.tensorfile import read_header_and_metadata
+  out = {}
+  for name in sorted(os.listdir(folder)):
+    path = os.path.join(folder, name)
+    if name.endswith(".safetensors"):
+      header, _, metadata = read_header_and_metadata(path)
+      out[name] = ({k: (e["dtype"], e["shape"]) for k, e in header.items()}, metadata)
+    elif name.endswith(".json"):
+      with open(path) as f:
+        out[name] = json.load(f)
+  return out
+
+
+@pytest.mark.parametrize("library,model,config_class,name,dtype", [
+    ("diffusers", "FluxTransformer2DModel", None, "flux_transformer", "bfloat16"),
+    ("diffusers", "AutoencoderKLLTXVideo", None, "ltx_vae", "bfloat16"),
+    ("transformers", "T5EncoderModel", "T5Config", "t5_xxl", "bfloat16"),
+    ("transformers", "LlamaForCausalLM", "LlamaConfig", "llama_3_8b", "float16"),
+    ("transformers", "CLIPModel", "CLIPConfig", "clip_l", "float32")])
+def test_full_size_folders_are_what_save_pretrained_writes(tmp_path, library, model, config_class,
+                                                          name, dtype):
+  """The same files (shards and index), tensor names, shapes, dtypes, metadata and config files
+  as the real class's save_pretrained at the same shard size (tied weights left out, T5's)."""
+  import importlib
+  import torch
+  dtype = getattr(torch, dtype)
+  cfg, shard_size = full_size.config(name, True), full_size.max_shard_size(name, True)
+  lib = importlib.import_module(library)
+  if library == "diffusers":
+    real = getattr(lib, model)(**cfg)
+    plan = full_size.diffusers_folder("ours", full_size.diffusers_model(model, cfg), dtype, shard_size)
+  else:
+    real = getattr(lib, model)(getattr(lib, config_class)(**cfg))
+    plan = full_size.transformers_folder(
+        "ours", full_size.transformers_model(model, config_class, cfg), dtype, shard_size)
+  real.to(dtype).save_pretrained(str(tmp_path / "real"), max_shard_size=shard_size)
+  full_size.write_plan(plan, str(tmp_path))
+  ours, theirs = safetensors_summary(tmp_path / "ours"), safetensors_summary(tmp_path / "real")
+  assert ours == theirs
+  assert (len([f for f in ours if f.endswith(".safetensors")])
+          == (3 if name == "flux_transformer" else 4 if name == "llama_3_8b" else
+              2 if name == "t5_xxl" else 1))  # the released files' shards
+
+
+def test_full_size_weights_are_drawn_as_the_models_initialise_them(shrunk_layouts):
+  """Linear weights N(0, 1/fan_in), biases 0, norms 1, embeddings N(0, 0.02^2); ComfyUI's file
+  has the blocks' Linear weights in float8 (within its range) and the rest in bf16."""
+  from safetensors.numpy import load_file
+  folder = shrunk_layouts["flux", "single_file"]
+  tensors = {k: v.astype(np.float32) for k, v in load_file(f"{folder}/flux1-dev.safetensors").items()}
+  qkv = tensors["double_blocks.0.img_attn.qkv.weight"]
+  assert abs(qkv.std() * qkv.shape[1] ** 0.5 - 1) < 0.05 and abs(qkv.mean()) < 0.01
+  assert (tensors["double_blocks.0.img_attn.qkv.bias"] == 0).all()
+  assert (tensors["double_blocks.0.img_attn.norm.query_norm.scale"] == 1).all()
+  t5 = load_file(f"{shrunk_layouts['flux', 'diffusers']}/text_encoder_2/model-00001-of-00002.safetensors")
+  assert abs(t5["shared.weight"].astype(np.float32).std() / 0.02 - 1) < 0.05
+  from diffpipe_jax.convert.tensorfile import read_header
+  header, _ = read_header(f"{shrunk_layouts['hunyuan-video', 'comfyui']}/"
+                          "hunyuan_video_720_cfgdistill_fp8_e4m3fn.safetensors")
+  float8 = {k for k, e in header.items() if e["dtype"] == "F8_E4M3"}
+  assert float8 == {k for k, e in header.items() if k.startswith(("double_blocks.", "single_blocks."))
+                    and k.endswith(".weight") and len(e["shape"]) == 2}
+  assert {e["dtype"] for k, e in header.items() if k not in float8} == {"BF16"}
+
+
+def test_full_size_torch_pickle_reads_back_exactly(shrunk_layouts):
+  """Tencent's .pt, written a tensor at a time in torch.save's zip layout: torch.load reads every
+  tensor's bytes back, memory-mapped and not, from a valid zip with 64-byte aligned storages."""
+  import struct
+  import torch
+  import zipfile
+  folder = shrunk_layouts["hunyuan-video", "official"]
+  plan = full_size.hunyuan_official(True)
+  pools = full_size.Pools([t for f in plan.weights for t in f.tensors])
+  for file in plan.weights:
+    if not file.path.endswith(".pt"):
+      continue
+    path = os.path.join(folder, file.path)
+    for mmap in (True, False):
+      state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+      state = state[file.under] if file.under else state
+      assert list(state) == [t.name for t in file.tensors]
+      for t in file.tensors:
+        value = state[t.name]
+        assert full_size.SAFETENSORS_DTYPE[value.dtype] == t.dtype and tuple(value.shape) == t.shape
+        assert (value.contiguous().view(torch.uint8).numpy().tobytes()
+                == b"".join(bytes(chunk) for chunk in full_size.tensor_chunks(t, pools))), t.name
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
+      assert archive.testzip() is None
+      for info in archive.infolist():
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        if "/data/" in info.filename:
+          assert (info.header_offset + 30 + name_length + extra_length) % 64 == 0, info.filename
+
+
+STREAMING = """import json, sys
+from benchmarks import full_size
+tensors = tuple(full_size.Tensor(f"blocks.{i}.weight", (3072, 12288), "BF16", (full_size.NORMAL, 0.01))
+                for i in range(4))
+plan = full_size.Plan([full_size.WeightFile("model.safetensors", tensors[:2]),
+                       full_size.WeightFile("model.pt", tensors[2:], under="module")])
+before = full_size.peak_rss_bytes()
+written = full_size.write_plan(plan, sys.argv[1], pool_values=1 << 20)
+print(json.dumps(dict(written=written, growth=full_size.peak_rss_bytes() - before)))
+"""
+
+
+def test_full_size_writer_streams(tmp_path):
+  """0.3 GB of weights (a safetensors file and a torch pickle) are written with the host's peak
+  memory growing by a small fraction of that: tensors stream from the pools, none is held whole."""
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, "-c", STREAMING, str(tmp_path)], env=env, check=True,
+                       stdout=subprocess.PIPE, text=True).stdout
+  result = json.loads(out.splitlines()[-1])
+  assert result["written"] == 4 * 3072 * 12288 * 2 and result["growth"] < result["written"] / 20, result
+
+
+def test_full_size_dataset_decodes_as_planned(tmp_path):
+  """Images of the planned sizes (jpg, png, webp), H.264 yuv420p clips of the planned sizes,
+  frame rates and durations, and a caption beside each, short and long (past CLIP's 77 tokens)."""
+  import av
+  from PIL import Image
+  items = full_size.write_dataset(str(tmp_path), shrink=True, workers=1)  # JAX's threads: no fork
+  assert {os.path.splitext(i.path)[1] for i in items} == {".jpg", ".png", ".webp", ".mp4"}
+  assert {os.path.dirname(i.path) for i in items} == {"images", "videos", "eval"}
+  for item in items:
+    path = str(tmp_path / item.path)
+    if item.fps:
+      with av.open(path) as container:
+        stream = container.streams.video[0]
+        frames = list(container.decode(stream))
+        assert (stream.codec_context.name, stream.codec_context.pix_fmt) == ("h264", "yuv420p")
+        assert stream.average_rate == item.fps and len(frames) == item.frames
+        assert float(frames[-1].time) == pytest.approx(item.seconds - 1 / item.fps)
+        assert frames[0].to_ndarray(format="rgb24").shape == (item.height, item.width, 3)
+    else:
+      with Image.open(path) as image:
+        assert image.size == (item.width, item.height)
+  words = [len(open(os.path.splitext(str(tmp_path / i.path))[0] + ".txt").read().split())
+           for i in items]
+  assert min(words) < 20 and max(words) > 77

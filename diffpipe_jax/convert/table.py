@@ -156,20 +156,30 @@ def row_sources(rows: Sequence[Row], shapes: Mapping[str, Tuple[int, ...]], chec
   return sources
 
 
+def single_file_parts(keys, rows: Sequence[Row]) -> Dict[str, Tuple[Tuple[str, ...], bool]]:
+  """Keys named by the rows' parts -> {fused key: (its part keys, halves swapped)}: the names
+  `to_single_file` gives, worked out from the names alone (so a full-size file can be planned
+  from shapes, without its tensors). Every key must be some row's part."""
+  out, used = {}, set()
+  for single, parts, swap in _expand(rows, keys, "parts"):
+    out[single] = (parts, swap)
+    used.update(parts)
+  unmapped = sorted(set(keys) - used)
+  if unmapped:
+    raise ValueError(f"no single-file row for: {unmapped[:10]}")
+  return out
+
+
 def to_single_file(tensors: Mapping[str, np.ndarray], rows: Sequence[Row]) -> Dict[str, np.ndarray]:
   """Tensors named by the rows' parts (torch layout) -> named by their fused modules (diffusers
   -> BFL for Flux, diffusers -> Tencent for HunyuanVideo): the inverse of `row_sources`."""
-  out, used = {}, set()
-  for single, parts, swap in _expand(rows, tensors, "parts"):
+  out = {}
+  for single, (parts, swap) in single_file_parts(tensors, rows).items():
     value = np.concatenate([tensors[p] for p in parts], axis=0)
     if swap:
       half = value.shape[0] // 2
       value = np.concatenate([value[half:], value[:half]], axis=0)
     out[single] = value
-    used.update(parts)
-  unmapped = sorted(set(tensors) - used)
-  if unmapped:
-    raise ValueError(f"no single-file row for: {unmapped[:10]}")
   return out
 
 

@@ -193,8 +193,9 @@ VAE_BLOCKS = dict(
 VAE_RENAMES = (("res_blocks", "resnets"), ("conv_shortcut", "conv_shortcut.conv"),
                ("norm3.norm", "norm3"), ("per_channel_statistics.mean-of-means", "latents_mean"),
                ("per_channel_statistics.std-of-means", "latents_std"))
-# Statistics Lightricks' VAE also stores and diffusers drops.
-VAE_EXTRA_STATISTICS = ("channel", "mean-of-stds", "mean-of-stds_over_std-of-means")
+# Statistics Lightricks' VAE also stores and diffusers drops, each a vector over the latent channels.
+VAE_EXTRA_STATISTICS = tuple(f"vae.per_channel_statistics.{name}" for name in (
+    "channel", "mean-of-stds", "mean-of-stds_over_std-of-means"))
 PREFIX = "model.diffusion_model."  # of the transformer, in a file that also holds the VAE
 
 
@@ -229,22 +230,30 @@ def _rename(key, anchored, anywhere):
   return key
 
 
+def lightricks_transformer_key(key):
+  """A diffusers transformer name -> Lightricks'."""
+  return _rename(key, (), TRANSFORMER_RENAMES)
+
+
+def lightricks_vae_key(key):
+  """A diffusers VAE name -> Lightricks', `vae.` prefix included."""
+  side, _, rest = key.partition(".")
+  if side in VAE_BLOCKS:
+    key = f"{side}.{_rename(rest, VAE_BLOCKS[side], ())}"
+  return "vae." + _rename(key, (), VAE_RENAMES)
+
+
 def lightricks_transformer(model):
   """The transformer's tensors under Lightricks' names (numpy float32)."""
-  return {_rename(k, (), TRANSFORMER_RENAMES): v for k, v in tiny.state_dict_numpy(model).items()}
+  return {lightricks_transformer_key(k): v for k, v in tiny.state_dict_numpy(model).items()}
 
 
 def lightricks_vae(vae):
   """The VAE's tensors under Lightricks' names, `vae.` prefix and all its statistics included."""
-  tensors = {}
-  for key, value in tiny.state_dict_numpy(vae).items():
-    side, _, rest = key.partition(".")
-    if side in VAE_BLOCKS:
-      key = f"{side}.{_rename(rest, VAE_BLOCKS[side], ())}"
-    tensors["vae." + _rename(key, (), VAE_RENAMES)] = value
+  tensors = {lightricks_vae_key(k): v for k, v in tiny.state_dict_numpy(vae).items()}
   channels = vae.config.latent_channels
-  for name in VAE_EXTRA_STATISTICS:
-    tensors[f"vae.per_channel_statistics.{name}"] = np.arange(channels, dtype=np.float32)
+  for key in VAE_EXTRA_STATISTICS:
+    tensors[key] = np.arange(channels, dtype=np.float32)
   return tensors
 
 
