@@ -7,7 +7,7 @@ import sys
 
 from absl import flags
 
-from diffpipe_jax import family as family_lib
+from diffpipe_jax import family as family_lib, validate
 from diffpipe_jax.errors import UserError, causes
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -49,6 +49,18 @@ def first_user_error(e: BaseException):
   return next((c for c in reversed(list(causes(e))) if isinstance(c, UserError)), None)
 
 
+def override_error(error: flags.Error, config) -> str | None:
+  """For an override whose value does not parse as its key's type (`--config.epochs=1.5`):
+  the line naming the key, the value and what the key takes (its rule's words), or None."""
+  found = re.match(r"flag --config\.([\w.]+)=(.*?): ", str(error))
+  if not isinstance(error, flags.IllegalFlagValueError) or found is None:
+    return None
+  key, value = found.groups()
+  family = family_lib.get(config.model.type) if config.model.type in family_lib.names() else None
+  rule = validate.rule_for(key, validate.rules(family) if family else validate.RULES)
+  return f"--config.{key}={value}: must be {rule.allowed}" if rule else None
+
+
 def parse_flags(argv, flag_values=flags.FLAGS):
   """absl's parsing, but every mistake is one line: a missing config file or variant, a config
   file's own refusal, an override of a key that does not exist (ml_collections raises a KeyError
@@ -60,7 +72,8 @@ def parse_flags(argv, flag_values=flags.FLAGS):
   try:
     return flag_values(argv)
   except flags.Error as e:
-    sys.exit(f"error: {first_user_error(e) or e}")
+    config = flag_values["config"].value  # parsed before its overrides
+    sys.exit(f"error: {first_user_error(e) or override_error(e, config) or e}")
   except (KeyError, AttributeError) as e:
     missing = re.search(r"'(\w+)", str(e))
     if missing is None:

@@ -39,3 +39,15 @@ MISTAKES = [  # (arguments, the line)
 @pytest.mark.parametrize("args,line", MISTAKES, ids=[" ".join(a) for a, _ in MISTAKES])
 def test_a_config_file_or_variant_that_does_not_exist_is_one_line(monkeypatch, args, line):
   assert parse_error(monkeypatch, *args) == f"error: {line}"
+
+
+WRONG_TYPES = [  # (overrides, the line): the key, the value and what the key takes
+    (["--config.adapter.rank=abc"], "--config.adapter.rank=abc: must be an integer >= 1"),
+    (["--config.seed=3", "--config.epochs=1.5"], "--config.epochs=1.5: must be an integer >= 1"),
+    (["--config.model.flux_shift=3"], "--config.model.flux_shift=3: must be True or False"),  # a family's key
+]
+
+
+@pytest.mark.parametrize("overrides,line", WRONG_TYPES, ids=[" ".join(o) for o, _ in WRONG_TYPES])
+def test_an_override_of_the_wrong_type_is_one_line_naming_it_and_its_type(monkeypatch, overrides, line):
+  assert parse_error(monkeypatch, "--config", "configs/flux.py:tiny", *overrides) == f"error: {line}"
