@@ -10,7 +10,6 @@ import hashlib
 import logging
 import math
 import os
-import tomllib
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
@@ -21,6 +20,7 @@ from PIL import Image, ImageOps
 
 from diffpipe_jax import buckets
 from diffpipe_jax.errors import UserError
+from diffpipe_jax.files import read_toml
 
 log = logging.getLogger(__name__)
 
@@ -417,8 +417,7 @@ def _settings(top: dict, directories: list, where: str, dir_where: str) -> Datas
 
 def settings_from_toml(path: str) -> DatasetSettings:
   """A diffusion-pipe dataset.toml as is: top-level keys plus [[directory]] tables."""
-  with open(path, "rb") as f:
-    top = tomllib.load(f)
+  top = read_toml(path)
   directories = top.pop("directory", [])
   return _settings(top, directories, path, f"{path} [[directory]]")
 

@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tomllib
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -31,7 +30,7 @@ from jax.experimental import multihost_utils
 
 from diffpipe_jax import lora, media, programs, sequence, stacks
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.files import atomic_write
+from diffpipe_jax.files import atomic_write, read_toml
 
 
 def scheduler_config(family, cfg, model_config) -> dict:
@@ -266,8 +265,7 @@ def size(config):
   resolution (the dataset TOML's, when the config names one), square."""
   side = config.dataset.resolutions[0]
   if config.dataset.toml_path:
-    with open(config.dataset.toml_path, "rb") as f:
-      side = tomllib.load(f).get("resolutions", media.DatasetSettings.resolutions)[0]
+    side = read_toml(config.dataset.toml_path).get("resolutions", media.DatasetSettings.resolutions)[0]
   return config.sample_frames, config.sample_height or side, config.sample_width or side
 
 

@@ -189,7 +189,7 @@ def file_problems(config, family) -> list:
     if e.get("toml_path"):
       try:
         data.dataset_settings(dict(toml_path=e.toml_path))
-      except (UserError, OSError) as err:
+      except UserError as err:
         problems.append(f"eval_datasets.{name}.toml_path: {err}")
     elif not (os.path.isdir(e.get("path", "")) or tiny.generates(config, e.get("path", ""))):
       problems.append(f"eval_datasets.{name}.path={e.get('path', '')!r}: no such directory")

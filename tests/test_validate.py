@@ -96,6 +96,7 @@ COMBINATIONS_AND_FILES = [
     ({"eval_datasets.tiny_eval.path": "evalz"}, "eval_datasets.tiny_eval.path='evalz': no such directory"),
     ({"adapter.init_from_existing": "lora.safetensors"}, "adapter.init_from_existing='lora.safetensors': no such file"),
     ({"generate_tiny": False}, ": no such file or directory"),  # the model path, no longer generated
+    ({"dataset.path": "", "dataset.toml_path": "dataset.toml"}, "dataset.toml: no such file"),
 ]
 
 
