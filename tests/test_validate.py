@@ -107,6 +107,20 @@ def test_combinations_and_paths_are_checked(name, overrides, line):
   assert any(line in f for f in found), found
 
 
+def test_an_output_dir_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
+  """Before anything is cached or loaded (the run directory is made only after both)."""
+  readonly, file = tmp_path / "readonly", tmp_path / "file"
+  readonly.mkdir(mode=0o555)
+  file.write_text("")
+  if os.access(readonly, os.W_OK):  # root: only a read-only filesystem refuses it; be one
+    monkeypatch.setattr(os, "access", lambda path, mode: os.path.abspath(path) != str(readonly))
+  assert problems(FAMILIES[0], {"output_dir": str(readonly / "runs")}) == [
+      f"output_dir='{readonly}/runs': {readonly} is not writable (a read-only filesystem or folder); "
+      "set output_dir to a folder you can write"]
+  assert problems(FAMILIES[0], {"output_dir": "file/runs"}) == [
+      f"output_dir='file/runs': {file} is a file; set output_dir to a folder you can write"]
+
+
 def test_main_stops_on_a_bad_value_in_one_line_before_writing_anything(tmp_path):
   name = FAMILIES[0]
   out = subprocess.run(
