@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 
 import jax
@@ -23,6 +24,7 @@ from diffpipe_jax.update import EVAL_QUANTILES, init_state, make_eval, make_step
 
 COMPILATION_CACHE_BYTES = 16 * 2**30  # beyond this, the least recently used programs go
 DIVERGENCE_BASELINE_STEPS = 10  # a later loss ten times these steps' median warns
+ABORTED_EXIT_CODE = 128 + signal.SIGINT  # a shell's status of a process that Ctrl-C ended
 
 
 def every(step: int, n: int) -> bool:
@@ -32,18 +34,25 @@ def every(step: int, n: int) -> bool:
 
 class StopRequests:
   """SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption) ask the run to stop after the
-  current step, with a checkpoint; a second SIGINT aborts at once. On several processes the
-  signal may reach one of them: `requested` is every process's answer (all save together)."""
+  current step, with a checkpoint; a second SIGINT aborts at once: the process prints
+  `on_abort()`'s line and exits as a kill would (checkpoints and exports are written whole or
+  not at all), without waiting for the step: an exit that unwinds waits for an XLA compilation
+  in progress, seconds, then crashed at teardown. Once a stop is asked, the handler stays until
+  the process exits, so that a Ctrl-C while it winds down aborts quietly too. On several
+  processes the signal may reach one of them: `requested` is every process's answer (all save
+  together)."""
 
   SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-  def __init__(self):
-    self.received = None
+  def __init__(self, on_abort):
+    self.received, self.on_abort = None, on_abort
     self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
   def _handle(self, signum, frame):
     if self.received is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt
+      # os.write: the code the signal interrupted may be inside a print
+      os.write(sys.stderr.fileno(), f"\nerror: {self.on_abort()}\n".encode())
+      os._exit(ABORTED_EXIT_CODE)
     self.received = signal.Signals(signum).name
     print(f"\n{self.received}: stopping after this step with a checkpoint (Ctrl-C again to abort now)",
           flush=True)
@@ -55,8 +64,10 @@ class StopRequests:
     return asked
 
   def restore(self):
-    for s, handler in self.previous.items():
-      signal.signal(s, handler)
+    """The handlers from before, unless a stop was asked (see above)."""
+    if self.received is None:
+      for s, handler in self.previous.items():
+        signal.signal(s, handler)
 
 
 def use_compilation_cache(directory: str):
@@ -380,9 +391,18 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
       tqdm.write(f"samples at step {step}: {folder}")
 
   def last_good_checkpoint():
-    latest = ckpt.latest_step()
-    return ("none yet" if latest is None else
-            os.path.join(run_dir, f"{checkpoint.STEP_PREFIX}{latest}") + " is kept")
+    complete = checkpoint.complete_steps(run_dir)  # read on disk: safe in a signal handler too
+    return ("none yet" if not complete else
+            os.path.join(run_dir, f"{checkpoint.STEP_PREFIX}{complete[-1]}") + " is kept")
+
+  def discard_failed_start():
+    """A run that ends before its first step leaves no run directory: nothing to keep."""
+    if step == 0 and resume is None and is_main_process:
+      shutil.rmtree(run_dir, ignore_errors=True)
+
+  def abort():
+    discard_failed_start()
+    return f"aborted by a second Ctrl-C at step {step}; the last good checkpoint: {last_good_checkpoint()}"
 
   @contextlib.contextmanager
   def space_for(what):
@@ -416,7 +436,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   epoch_losses, first_losses, warned = [], [], set()
   bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
   batch_iter, iter_epoch, schedule, compiled = None, None, None, set()
-  stop = StopRequests()
+  stop = StopRequests(on_abort=abort)
   failed = True  # until the last export: an error or a stop ends the W&B run as failed
   try:
     if evals and config.eval_before_first_step and step == 0:
@@ -502,7 +522,6 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
     stop.restore()
     bar.close()
     metrics.close(failed)
-    if step == 0 and resume is None and is_main_process:  # a failed start: nothing to keep
-      shutil.rmtree(run_dir, ignore_errors=True)
+    discard_failed_start()
   print(f"done: {step} steps in {run_dir}")
   return run_dir

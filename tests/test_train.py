@@ -9,6 +9,7 @@ import glob
 import importlib.machinery
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -657,3 +658,35 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes_exa
   (reference,) = glob.glob(str(tmp_path / "ref" / "*"))
   np.testing.assert_allclose([m["train/loss"] for m in read_metrics(run)],
                              [m["train/loss"] for m in read_metrics(reference)], rtol=1e-5)
+
+
+def test_a_second_ctrl_c_aborts_at_once_in_one_line_naming_the_last_good_checkpoint(
+    tmp_path, name=MACHINERY_FAMILY):
+  """The first Ctrl-C asks for a stop after the step; a second one, while the step or its
+  checkpoint is on its way, exits at once with status 130 and one line, no traceback, and the
+  checkpoint it names is complete."""
+  command = [sys.executable, os.path.join(ROOT, "main.py"), "--config", config_file(name) + ":tiny",
+             f"--config.output_dir={tmp_path}/out", *no_samples(), "--config.checkpoint_every_n_steps=1"]
+  proc = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(1)),
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  metrics = lambda: glob.glob(str(tmp_path / "out" / "*" / "metrics.jsonl"))
+  start = time.time()
+  while not (metrics() and len(read_metrics(os.path.dirname(metrics()[0]))) >= 2) and time.time() - start < 300:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  out = []
+  for line in proc.stdout:  # the first one handled: two signals at once would count as one
+    out.append(line)
+    if "stopping after this step" in line:
+      break
+  proc.send_signal(signal.SIGINT)
+  aborted = time.time()
+  out = "".join(out) + proc.communicate(timeout=60)[0]
+  assert proc.returncode == 130 and "Traceback" not in out, out
+  assert time.time() - aborted < 10, out
+  (run,) = glob.glob(str(tmp_path / "out" / "*"))
+  last = max(checkpoint.complete_steps(run))  # a checkpoint a step: the step's, or the one before
+  found = re.fullmatch(r"error: aborted by a second Ctrl-C at step (\d+); the last good checkpoint: (.*) is kept",
+                       out.strip().splitlines()[-1])
+  assert found and int(found[1]) in (last, last + 1), out
+  assert found[2] == os.path.join(run, f"global_step{last}"), out
