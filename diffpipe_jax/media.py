@@ -198,14 +198,20 @@ def write_video(path, frames, fps):
   return path
 
 
+# What `write_media` writes, by the path's extension (the first: a folder's samples)
+IMAGE_OUT = (".png", ".jpg", ".jpeg", ".webp")
+VIDEO_OUT = (".mp4", ".webm")
+
+
 def write_media(path, pixels, fps=24):
-  """Pixels [F, H, W, 3] in [-1, 1] -> `path`: a PNG of one frame, else an MP4 at `fps`, written
-  under a temporary name and renamed into place."""
+  """Pixels [F, H, W, 3] in [-1, 1] -> `path`: an image of one frame, else a video at `fps`, in
+  the format of the extension (`IMAGE_OUT`, `VIDEO_OUT`), written under a temporary name and
+  renamed into place."""
   frames = np.round((np.clip(pixels, -1, 1) + 1) * 127.5).astype(np.uint8)
   stem, ext = os.path.splitext(path)
   tmp = f"{stem}.tmp{ext}"
   if len(frames) == 1:
-    Image.fromarray(frames[0]).save(tmp, format="PNG")
+    Image.fromarray(frames[0]).save(tmp, quality=95)  # JPEG's and WebP's defaults blur detail
   else:
     write_video(tmp, frames, fps)
   os.replace(tmp, path)

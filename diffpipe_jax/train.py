@@ -383,8 +383,8 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
     if is_main_process:
       folder = os.path.join(run_dir, "samples", f"step{step}")
       with space_for(f"the samples in {folder}"):
-        written = sample.write(encoders, latents, prompts, [os.path.join(folder, f"{i:02d}") for i in
-                                                            range(len(prompts.texts))],
+        written = sample.write(encoders, latents, prompts,
+                               sample.folder_paths(folder, len(prompts.texts), prompts.frames),
                                encoders.frame_rate or 24)
       for i, (_, pixels) in enumerate(written):
         metrics.image(step, f"samples/{i:02d}", sample.preview(pixels), examples=examples)
