@@ -94,13 +94,14 @@ def prepare_paths(config, family) -> str:
   return path
 
 
-def check_adapter_targets(config, family, path):
-  """The LoRA's targets less `adapter.exclude_modules` (`lora.select_targets`), checked on the
-  checkpoint's shapes before the datasets are cached rather than after (the family's own
-  target patterns match by construction: without exclusions there is nothing to check)."""
+def check_adapter(config, family, path):
+  """The LoRA's targets less `adapter.exclude_modules` (`lora.select_targets`) and its rank
+  (`lora.check_rank`), checked on the checkpoint's shapes before the datasets are cached and the
+  weights loaded rather than after."""
   cfg = models.checkpoint_config(family.type, path)
-  lora.select_targets(models.abstract_params(family, family.make_module(cfg), cfg),
-                      family.lora_targets, config.adapter.exclude_modules)
+  layer_params = models.abstract_params(family, family.make_module(cfg), cfg)
+  targets = lora.select_targets(layer_params, family.lora_targets, config.adapter.exclude_modules)
+  lora.check_rank(layer_params, targets, config.adapter.rank)
 
 
 def eval_settings(train_settings, entry):
@@ -259,8 +260,8 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   # it, then read them. The encoders load their models only when something needs encoding (and
   # for samples the VAE alone, when decoding).
   path = prepare_paths(config, family) if is_main_process else None
-  if path is not None and config.adapter.exclude_modules:
-    check_adapter_targets(config, family, path)
+  if path is not None:
+    check_adapter(config, family, path)
   encoders = family_lib.torch_side(family).load_encoders(config.model)
   cached = prompts = None
   if is_main_process:
