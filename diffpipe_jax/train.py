@@ -221,6 +221,41 @@ def divergence(loss: float, grad_norm: float, first_losses: list) -> str | None:
   return None
 
 
+def planned_steps(config, steps_per_epoch: int) -> int:
+  """The steps a run trains in all: its epochs', or fewer where max_steps stops it early."""
+  steps = config.epochs * steps_per_epoch
+  return min(steps, config.max_steps) if config.max_steps else steps
+
+
+def check_unfinished(run_dir: str, meta: dict, config):
+  """Refuses to resume a run whose checkpoint is at or past its planned steps, its LoRA exported
+  there (it would train nothing), naming the limits it reached and what extends it. max_steps
+  only stops a run early, as in diffusion-pipe: more epochs extend one (and a max_steps that
+  stopped it, raised); a decaying learning rate schedule is then stretched over the new total
+  (it is a function of the total, not saved state)."""
+  step, per_epoch = meta["step"], meta["steps_per_epoch"]
+  exports = [f"step{step}"] + ([f"epoch{step // per_epoch}"] if step % per_epoch == 0 else [])
+  if step < planned_steps(config, per_epoch) or not any(
+      os.path.isdir(os.path.join(run_dir, name)) for name in exports):  # (a full disk): export it
+    return
+  reached, extend = [], []
+  if config.epochs * per_epoch <= step:
+    epochs = max(config.epochs + 1, -(-config.max_steps // per_epoch))  # to max_steps, if set
+    reached.append(f"epochs={config.epochs} ({per_epoch} steps each) end")
+    extend.append(f"epochs (e.g. --config.epochs={epochs})")
+  if 0 < config.max_steps <= step:
+    reached.append(f"max_steps={config.max_steps} stops it")
+    extend.append("max_steps (0: no limit)")
+  early = (f" (max_steps={config.max_steps} only stops a run early)"
+           if config.max_steps > step else "")
+  stretched = (f" (lr_scheduler={config.lr_scheduler!r} is then stretched over the new total: the "
+               f"learning rate rises again at step {step})"
+               if config.lr_scheduler != "constant" and not config.force_constant_lr else "")
+  raise UserError(f"--resume_from_checkpoint: {run_dir} is complete: its checkpoint is at step {step}, "
+                  f"where {' and '.join(reached)}{early}; to train on, raise {' and '.join(extend)}"
+                  f"{stretched}")
+
+
 def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
   """Trains a LoRA as `config` says (configs/common.py); `resume`: a run directory name under
   `output_dir`, or "latest", to continue. Returns the run directory (None with `cache_only`).
@@ -254,6 +289,8 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
                              if is_main_process else "")
     if is_main_process:
       on_exit.enter_context(checkpoint.lock_run_dir(run_dir))
+    ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
+    check_unfinished(run_dir, ckpt.meta(), config)
 
   # ---------------------------------------------------------------- data (cached once)
   # Process 0 writes the tiny default and the caches (a shared filesystem); the others wait for
@@ -287,8 +324,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
     print("cached; exiting (--cache_only)")
     return None
   steps_per_epoch = dataset.steps_per_epoch
-  total_steps = config.epochs * steps_per_epoch
-  total_steps = min(total_steps, config.max_steps) if config.max_steps else total_steps
+  total_steps = planned_steps(config, steps_per_epoch)
 
   # ---------------------------------------------------------------- model (frozen), on the mesh
   block_stacks = family.stacks(models.checkpoint_config(family.type, path))
@@ -319,7 +355,6 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   to_layers = jax.jit(layout.to_layers, out_shardings=replicated)  # checkpoints
   lora_to_layers = jax.jit(layout.to_layers, out_shardings=replicated["lora"])  # exports
   if resume is not None:
-    ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
     check_resumable(run_dir, ckpt, config, layer_state)
     state, meta = ckpt.restore(abstract_state=jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer_state, replicated))

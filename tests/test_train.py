@@ -173,6 +173,36 @@ def resume_refusals_are_one_line(tmp_path, name, run_a, run_b, args):
   assert other.returncode != 0 and other.stdout.strip().splitlines()[-1].endswith(
       "has rank 4, this adapter rank 8: set adapter.rank=4 to continue it"), other.stdout
   assert not os.path.exists(tmp_path / "d")
+  # a complete run, before any work: max_steps only stops a run early (the case)
+  complete = run_main(tmp_path, name, "--resume_from_checkpoint", "--config.max_steps=14", *args, output="a")
+  assert complete.returncode != 0 and complete.stdout.strip().splitlines()[-1] == (
+      f"error: --resume_from_checkpoint: {run_a} is complete: its checkpoint is at step 12, where "
+      "epochs=4 (3 steps each) end (max_steps=14 only stops a run early); to train on, raise epochs "
+      "(e.g. --config.epochs=5)"), complete.stdout
+  assert not os.path.exists(os.path.join(run_a, "config_resumed.json"))
+
+
+def test_a_complete_run_is_not_resumed_the_line_names_the_limits_reached_and_what_extends_it(tmp_path):
+  config, meta = tiny_config(MACHINERY_FAMILY), dict(step=12, steps_per_epoch=3)  # 4 epochs
+  run = str(tmp_path)
+  train.check_unfinished(run, meta, config)  # its last LoRA not exported yet (a full disk): resumed
+  os.mkdir(tmp_path / "epoch4")
+
+  def refusal(**overrides):
+    config.update_from_flattened_dict(overrides)
+    with pytest.raises(UserError) as e:
+      train.check_unfinished(run, meta, config)
+    return str(e.value).removeprefix(f"--resume_from_checkpoint: {run} is complete: its checkpoint is at step 12, ")
+
+  assert refusal(max_steps=8) == ("where epochs=4 (3 steps each) end and max_steps=8 stops it; to train on, "
+                                  "raise epochs (e.g. --config.epochs=5) and max_steps (0: no limit)")
+  assert refusal(epochs=5) == "where max_steps=8 stops it; to train on, raise max_steps (0: no limit)"
+  assert refusal(epochs=4, max_steps=20, lr_scheduler="cosine") == (
+      "where epochs=4 (3 steps each) end (max_steps=20 only stops a run early); to train on, raise epochs "
+      "(e.g. --config.epochs=7) (lr_scheduler='cosine' is then stretched over the new total: the "
+      "learning rate rises again at step 12)")
+  config.update_from_flattened_dict(dict(epochs=5, max_steps=0))
+  train.check_unfinished(run, meta, config)  # steps left: resumed
 
 
 def samples_written_at(run_dir, steps, config):
