@@ -3,10 +3,23 @@ diffusion-pipe's names; a family's config adds its `model` section and its varia
 
 Speed and memory of the settings below, per family and GPU: BENCHMARKS.md.
 """
+import os
+
 import ml_collections
 from ml_collections import config_dict
 
 from diffpipe_jax import tiny as tiny_defaults
+from diffpipe_jax.errors import UserError
+
+VARIANTS = ("", "tiny")  # every family's: the released model's defaults, and `tiny`
+
+
+def check_variant(config_file: str, variant: str):
+  """Refuses `--config configs/<family>.py:<variant>` for a variant other than `VARIANTS`."""
+  if variant not in VARIANTS:
+    name = f"configs/{os.path.basename(config_file)}"
+    raise UserError(f"--config {name}:{variant}: no such variant; use "
+                    + " or ".join(f"{name}:{v}" if v else name for v in VARIANTS))
 
 
 def base(model_type: str) -> ml_collections.ConfigDict:

@@ -13,6 +13,7 @@ from configs import common
 
 
 def get_config(arg=""):
+  common.check_variant(__file__, arg)
   c = common.base("flux")
   c.model.diffusers_path = ""  # a diffusers pipeline folder (holds transformer/, vae/, text encoders)
   c.model.transformer_path = ""  # or a BFL single file (flux1-dev.safetensors); wins if set
@@ -20,6 +21,4 @@ def get_config(arg=""):
   c.model.guidance = 1.0  # the guidance embedding's input in training (FLUX.1-dev)
   if arg == "tiny":
     common.tiny(c)
-  elif arg:
-    raise ValueError(f"unknown configs/flux.py variant {arg!r}; known: '', 'tiny'")
   return c

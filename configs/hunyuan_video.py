@@ -18,6 +18,7 @@ from diffpipe_jax import tiny as tiny_defaults
 
 
 def get_config(arg=""):
+  common.check_variant(__file__, arg)
   c = common.base("hunyuan-video")
   c.model.diffusers_path = ""  # a diffusers HunyuanVideo folder (transformer, VAE, both text encoders)
   c.model.ckpt_path = ""  # or Tencent's folder: hunyuan-video-t2v-720p/, text_encoder/, text_encoder_2/
@@ -39,6 +40,4 @@ def get_config(arg=""):
     # 80x48x5, 80x48x1): 3 steps an epoch, as the other families' tiny runs
     c.dataset.frame_buckets = (1, 5, 17)
     c.sample_frames = 5
-  elif arg:
-    raise ValueError(f"unknown configs/hunyuan_video.py variant {arg!r}; known: '', 'tiny'")
   return c

@@ -16,6 +16,7 @@ from diffpipe_jax import tiny as tiny_defaults
 
 
 def get_config(arg=""):
+  common.check_variant(__file__, arg)
   c = common.base("ltx-video")
   c.model.diffusers_path = ""  # a diffusers LTX-Video folder: the T5 encoder (and VAE, transformer)
   c.model.single_file_path = ""  # or Lightricks' single file for transformer and VAE; wins if set
@@ -33,6 +34,4 @@ def get_config(arg=""):
     c.dataset.frame_buckets = (1, 9, 17)
     c.sample_frames = 9
     c.model.first_frame_conditioning_p = 0.5
-  elif arg:
-    raise ValueError(f"unknown configs/ltx_video.py variant {arg!r}; known: '', 'tiny'")
   return c

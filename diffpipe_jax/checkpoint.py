@@ -164,6 +164,11 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     return shapes(self.manager.item_metadata(step).state)
 
+  def meta(self, step: int | None = None) -> dict:
+    """The JSON meta saved with `step` (default the newest), without reading the state."""
+    step = self.latest_step() if step is None else step
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
   def restore(self, step: int | None = None, abstract_state=None):
     """(state, meta) of `step` (default the newest); `abstract_state`, a pytree of
     jax.ShapeDtypeStruct, fixes the structure, dtypes and shardings of the restored arrays."""

@@ -1,15 +1,17 @@
 """What the two commands (main.py and `python -m diffpipe_jax.sample`) share: absl flag parsing
-of a `--config` file (ours, or a diffusion-pipe training TOML) with `--config.key=value` overrides."""
+of a `--config` file (ours, or a diffusion-pipe training TOML) with `--config.key=value` overrides,
+where every mistake is one line."""
 import os
 import re
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from diffpipe_jax.errors import UserError
+from diffpipe_jax import family as family_lib, validate
+from diffpipe_jax.errors import UserError, causes
 
-TOML_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                           "diffusion_pipe.py")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+TOML_CONFIG = os.path.join(CONFIGS, "diffusion_pipe.py")
 
 
 def toml_as_config_file(argv):
@@ -26,27 +28,52 @@ def toml_as_config_file(argv):
   return out
 
 
+def config_file(argv):
+  """The file of `--config FILE[:variant]` in `argv`, or None."""
+  values = [a[len("--config="):] for a in argv if a.startswith("--config=")]
+  values += [value for a, value in zip(argv, argv[1:]) if a == "--config"]
+  return values[-1].split(":", 1)[0] if values else None
+
+
+def missing_config_file(path: str) -> str:
+  """What to pass instead of a `--config` file that does not exist."""
+  ours = [os.path.join(CONFIGS, f"{name.replace('-', '_')}.py") for name in family_lib.names()]
+  ours = [p if os.path.relpath(p).startswith("..") else os.path.relpath(p) for p in ours]
+  return (f"--config {path}: no such file; use {', '.join(ours)} (each optionally :tiny) or a "
+          "diffusion-pipe training TOML")
+
+
 def first_user_error(e: BaseException):
   """The innermost UserError among the exceptions that led to `e` (config_flags and absl re-raise
   what a config file raised, twice), or None."""
-  found = None
-  while e is not None:
-    found = e if isinstance(e, UserError) else found
-    e = e.__cause__ or e.__context__
-  return found
+  return next((c for c in reversed(list(causes(e))) if isinstance(c, UserError)), None)
 
 
-def parse_flags(argv):
-  """absl's parsing, but an override of a config key that does not exist (ml_collections raises
-  a KeyError deep inside) is one line naming the flag, with its "did you mean"."""
+def override_error(error: flags.Error, config) -> str | None:
+  """For an override whose value does not parse as its key's type (`--config.epochs=1.5`):
+  the line naming the key, the value and what the key takes (its rule's words), or None."""
+  found = re.match(r"flag --config\.([\w.]+)=(.*?): ", str(error))
+  if not isinstance(error, flags.IllegalFlagValueError) or found is None:
+    return None
+  key, value = found.groups()
+  family = family_lib.get(config.model.type) if config.model.type in family_lib.names() else None
+  rule = validate.rule_for(key, validate.rules(family) if family else validate.RULES)
+  return f"--config.{key}={value}: must be {rule.allowed}" if rule else None
+
+
+def parse_flags(argv, flag_values=flags.FLAGS):
+  """absl's parsing, but every mistake is one line: a missing config file or variant, a config
+  file's own refusal, an override of a key that does not exist (ml_collections raises a KeyError
+  deep inside; the line has its "did you mean") or that does not parse as the key's type."""
   argv = toml_as_config_file(argv)
+  path = config_file(argv)
+  if path is not None and not os.path.isfile(path):
+    sys.exit(f"error: {missing_config_file(path)}")
   try:
-    return flags.FLAGS(argv)
+    return flag_values(argv)
   except flags.Error as e:
-    user_error = first_user_error(e)  # a config file's get_config refused the config
-    if user_error is not None:
-      sys.exit(f"error: {user_error}")
-    return app.parse_flags_with_usage(argv)  # absl's usage message
+    config = flag_values["config"].value  # parsed before its overrides
+    sys.exit(f"error: {first_user_error(e) or override_error(e, config) or e}")
   except (KeyError, AttributeError) as e:
     missing = re.search(r"'(\w+)", str(e))
     if missing is None:

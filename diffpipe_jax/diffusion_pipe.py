@@ -11,13 +11,13 @@ resolve from the current directory, as diffusion-pipe resolves them.
 """
 import importlib
 import os
-import tomllib
 
 import ml_collections
 from ml_collections import config_dict
 
 from diffpipe_jax import family as family_lib
 from diffpipe_jax.errors import UserError
+from diffpipe_jax.files import read_toml
 
 SECTIONS = ("model", "adapter", "optimizer", "monitoring")
 
@@ -61,16 +61,6 @@ def family_config(model_type: str, where: str) -> ml_collections.ConfigDict:
   if model_type not in family_lib.names():
     raise UserError(f"{where}: [model] type={model_type!r}; known types: {', '.join(family_lib.names())}")
   return importlib.import_module(f"configs.{model_type.replace('-', '_')}").get_config()
-
-
-def read(path: str) -> dict:
-  if not os.path.isfile(path):
-    raise UserError(f"--config {path}: no such file")
-  try:
-    with open(path, "rb") as f:
-      return tomllib.load(f)
-  except tomllib.TOMLDecodeError as e:
-    raise UserError(f"--config {path}: not valid TOML ({e})") from None
 
 
 def dataset_path(value, key: str, where: str) -> str:
@@ -134,7 +124,7 @@ def flat_keys(toml: dict, where: str) -> dict:
 
 def config_from_toml(path: str) -> tuple:
   """(our config, {key: why it has no effect}) of a diffusion-pipe training TOML."""
-  toml = read(path)
+  toml = read_toml(path, given_as=f"--config {path}")
   model_type = toml.get("model", {}).get("type")
   if model_type is None:
     raise UserError(f"{path}: no [model] type; set it to one of {', '.join(family_lib.names())}")

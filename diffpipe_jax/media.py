@@ -10,7 +10,6 @@ import hashlib
 import logging
 import math
 import os
-import tomllib
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
@@ -21,6 +20,7 @@ from PIL import Image, ImageOps
 
 from diffpipe_jax import buckets
 from diffpipe_jax.errors import UserError
+from diffpipe_jax.files import read_toml
 
 log = logging.getLogger(__name__)
 
@@ -198,14 +198,20 @@ def write_video(path, frames, fps):
   return path
 
 
+# What `write_media` writes, by the path's extension (the first: a folder's samples)
+IMAGE_OUT = (".png", ".jpg", ".jpeg", ".webp")
+VIDEO_OUT = (".mp4", ".webm")
+
+
 def write_media(path, pixels, fps=24):
-  """Pixels [F, H, W, 3] in [-1, 1] -> `path`: a PNG of one frame, else an MP4 at `fps`, written
-  under a temporary name and renamed into place."""
+  """Pixels [F, H, W, 3] in [-1, 1] -> `path`: an image of one frame, else a video at `fps`, in
+  the format of the extension (`IMAGE_OUT`, `VIDEO_OUT`), written under a temporary name and
+  renamed into place."""
   frames = np.round((np.clip(pixels, -1, 1) + 1) * 127.5).astype(np.uint8)
   stem, ext = os.path.splitext(path)
   tmp = f"{stem}.tmp{ext}"
   if len(frames) == 1:
-    Image.fromarray(frames[0]).save(tmp, format="PNG")
+    Image.fromarray(frames[0]).save(tmp, quality=95)  # JPEG's and WebP's defaults blur detail
   else:
     write_video(tmp, frames, fps)
   os.replace(tmp, path)
@@ -417,8 +423,7 @@ def _settings(top: dict, directories: list, where: str, dir_where: str) -> Datas
 
 def settings_from_toml(path: str) -> DatasetSettings:
   """A diffusion-pipe dataset.toml as is: top-level keys plus [[directory]] tables."""
-  with open(path, "rb") as f:
-    top = tomllib.load(f)
+  top = read_toml(path)
   directories = top.pop("directory", [])
   return _settings(top, directories, path, f"{path} [[directory]]")
 

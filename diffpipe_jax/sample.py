@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tomllib
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -31,7 +30,7 @@ from jax.experimental import multihost_utils
 
 from diffpipe_jax import lora, media, programs, sequence, stacks
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.files import atomic_write
+from diffpipe_jax.files import atomic_write, read_toml
 
 
 def scheduler_config(family, cfg, model_config) -> dict:
@@ -235,15 +234,38 @@ def draw(model, params, adapter, model_config, prompts: Prompts, steps: int, gui
   return np.concatenate(out)
 
 
-def write(encoders, latents, prompts: Prompts, stems: Sequence[str], fps) -> list:
-  """Decodes each prompt's latents to `stem`.png (an image) or `stem`.mp4, beside `stem`.txt
-  holding the prompt. Returns (path, pixels [F, H, W, 3] in [-1, 1]) per prompt."""
+def folder_paths(folder: str, count: int, frames: int) -> list:
+  """The files of `count` samples of `frames` frames in `folder`: NN.png, or NN.mp4 for videos."""
+  ext = media.IMAGE_OUT[0] if frames == 1 else media.VIDEO_OUT[0]
+  return [os.path.join(folder, f"{i:02d}{ext}") for i in range(count)]
+
+
+def output_paths(out: str, count: int, frames: int) -> list:
+  """The files the sampling command writes for `--out`: a folder's (an existing folder, or a
+  path without extension: `folder_paths`), or the file named, in its extension's format
+  (numbered `out_NN.ext` for several prompts). An extension that cannot hold the samples (an
+  image's for a video) is a UserError."""
+  stem, ext = os.path.splitext(out)
+  if os.path.isdir(out) or not ext:
+    return folder_paths(out, count, frames)
+  kind, formats = ("an image", media.IMAGE_OUT) if frames == 1 else (f"a video of {frames} frames",
+                                                                     media.VIDEO_OUT)
+  if ext.lower() not in formats:
+    raise UserError(f"--out {out}: each sample is {kind}; name a {', '.join(formats[:-1])} or "
+                    f"{formats[-1]} file, or a folder (a path without extension)")
+  return [out] if count == 1 else [f"{stem}_{i:02d}{ext}" for i in range(count)]
+
+
+def write(encoders, latents, prompts: Prompts, paths: Sequence[str], fps) -> list:
+  """Decodes each prompt's latents to its path (an image or a video, by extension), beside a
+  .txt of the same stem holding the prompt. Returns (path, pixels [F, H, W, 3] in [-1, 1]) per
+  prompt."""
   written = []
-  for stem, text, z in zip(stems, prompts.texts, latents):
-    os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
+  for path, text, z in zip(paths, prompts.texts, latents):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     pixels = encoders.decode(z[None], prompts.grid)[0]
-    path = media.write_media(f"{stem}.{'png' if len(pixels) == 1 else 'mp4'}", pixels, fps)
-    atomic_write(f"{stem}.txt", lambda f: f.write(text.encode() + b"\n"))
+    media.write_media(path, pixels, fps)
+    atomic_write(f"{os.path.splitext(path)[0]}.txt", lambda f: f.write(text.encode() + b"\n"))
     written.append((path, pixels))
   return written
 
@@ -266,25 +288,27 @@ def size(config):
   resolution (the dataset TOML's, when the config names one), square."""
   side = config.dataset.resolutions[0]
   if config.dataset.toml_path:
-    with open(config.dataset.toml_path, "rb") as f:
-      side = tomllib.load(f).get("resolutions", media.DatasetSettings.resolutions)[0]
+    side = read_toml(config.dataset.toml_path).get("resolutions", media.DatasetSettings.resolutions)[0]
   return config.sample_frames, config.sample_height or side, config.sample_width or side
 
 
 def lora_argument(value: str):
-  """`path` or `path:scale` -> (path, scale)."""
-  path, _, scale = value.rpartition(":")
-  try:
-    return (path, float(scale)) if path else (value, 1.0)
-  except ValueError:
+  """`path` or `path:scale` -> (path, scale); a path that holds a ':' itself stays whole."""
+  path, colon, scale = value.rpartition(":")
+  if not colon or os.path.exists(value):
     return value, 1.0
+  try:
+    return path, float(scale)
+  except ValueError:
+    raise UserError(f"the scale {scale!r} of --lora {value} is not a number (--lora PATH or "
+                    "PATH:SCALE)") from None
 
 
 def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, guidance=-1.0,
         frames=0, height=0, width=0, seed=None) -> list:
   """The sampling command: the config's base model with `loras` (path[:scale] each), every
-  prompt at the config's sample settings unless given. Writes `out` (one prompt: a .png or .mp4
-  path) or `out`/NN.png|mp4 and NN.txt. Returns the paths written."""
+  prompt at the config's sample settings unless given. Writes `output_paths(out, ...)`, each
+  beside a .txt of its prompt. Returns the paths written."""
   from tqdm import tqdm
   from diffpipe_jax import device_memory, family as family_lib, models, sharding, train, validate
   family = family_lib.get(config.model.type)
@@ -296,11 +320,13 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   for lora_path, _ in loras:  # before anything loads
     if not os.path.exists(lora_path):
       raise UserError(f"--lora {lora_path} does not exist")
+  f, h, w = size(config)
+  frames, height, width = frames or f, height or h, width or w
+  paths = output_paths(out, len(texts), frames)
   path = train.prepare_paths(config, family)
   # the prompts first, their text encoders freed before JAX takes its pool (`device_memory`)
   encoders = family_lib.torch_side(family).load_encoders(config.model)
-  f, h, w = size(config)
-  prompts = encode_prompts(family, encoders, texts, frames or f, height or h, width or w)
+  prompts = encode_prompts(family, encoders, texts, frames, height, width)
   encoders.release()
   memory.training()
   # one device, the blocks unrolled (programs per block: faster than the scan), the config's
@@ -315,15 +341,11 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   default_steps, default_guidance = defaults(family, config)
   steps, guidance = steps or default_steps, default_guidance if guidance < 0 else guidance
   seed = config.sample_seed if seed is None else seed
-  media_out = os.path.splitext(out)[1] in (".png", ".mp4")
-  if media_out and len(texts) > 1:
-    raise UserError(f"--out {out} names one file but there are {len(texts)} prompts: give a folder")
-  stems = [os.path.splitext(out)[0]] if media_out else [os.path.join(out, f"{i:02d}") for i in range(len(texts))]
   with tqdm(total=steps * len(texts), desc="sampling", unit="step", dynamic_ncols=True) as bar:
     latents = draw(model, model.params, adapter and layout.to_stages(adapter), config.model, prompts,
                    steps, guidance, seed, step=step_fn(model, config.model, guidance, split=True),
                    progress=lambda i: bar.update(1))
-  written = write(encoders, latents, prompts, stems, encoders.frame_rate or 24)
+  written = write(encoders, latents, prompts, paths, encoders.frame_rate or 24)
   for path, _ in written:
     print(f"wrote {path}")
   return [path for path, _ in written]
@@ -355,7 +377,8 @@ if __name__ == "__main__":
                                   lock_config=True)
   flags.DEFINE_multi_string("lora", None, "a LoRA (folder or .safetensors), optionally :scale; repeat for several")
   flags.DEFINE_multi_string("prompt", None, "a prompt, or a .txt file of a prompt a line; repeat for several")
-  flags.DEFINE_string("out", "samples", "a folder, or with one prompt a .png / .mp4 path")
+  flags.DEFINE_string("out", "samples", "a folder, or a file: .png, .jpg, .webp (images), .mp4, .webm "
+                      "(videos); numbered _NN for several prompts")
   flags.DEFINE_integer("steps", 0, "sampling steps (0: the config's sample_steps, else the pipeline's)")
   flags.DEFINE_float("guidance", -1.0, "guidance (< 0: the config's sample_guidance, else the pipeline's)")
   flags.DEFINE_integer("frames", 0, "frames (video families; 0: the config's sample_frames)")

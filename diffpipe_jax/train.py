@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 
 import jax
@@ -24,6 +25,7 @@ from diffpipe_jax.update import EVAL_QUANTILES, init_state, make_eval, make_step
 
 COMPILATION_CACHE_BYTES = 16 * 2**30  # beyond this, the least recently used programs go
 DIVERGENCE_BASELINE_STEPS = 10  # a later loss ten times these steps' median warns
+ABORTED_EXIT_CODE = 128 + signal.SIGINT  # a shell's status of a process that Ctrl-C ended
 
 
 def every(step: int, n: int) -> bool:
@@ -33,18 +35,25 @@ def every(step: int, n: int) -> bool:
 
 class StopRequests:
   """SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption) ask the run to stop after the
-  current step, with a checkpoint; a second SIGINT aborts at once. On several processes the
-  signal may reach one of them: `requested` is every process's answer (all save together)."""
+  current step, with a checkpoint; a second SIGINT aborts at once: the process prints
+  `on_abort()`'s line and exits as a kill would (checkpoints and exports are written whole or
+  not at all), without waiting for the step: an exit that unwinds waits for an XLA compilation
+  in progress, seconds, then crashed at teardown. Once a stop is asked, the handler stays until
+  the process exits, so that a Ctrl-C while it winds down aborts quietly too. On several
+  processes the signal may reach one of them: `requested` is every process's answer (all save
+  together)."""
 
   SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-  def __init__(self):
-    self.received = None
+  def __init__(self, on_abort):
+    self.received, self.on_abort = None, on_abort
     self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
   def _handle(self, signum, frame):
     if self.received is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt
+      # os.write: the code the signal interrupted may be inside a print
+      os.write(sys.stderr.fileno(), f"\nerror: {self.on_abort()}\n".encode())
+      os._exit(ABORTED_EXIT_CODE)
     self.received = signal.Signals(signum).name
     print(f"\n{self.received}: stopping after this step with a checkpoint (Ctrl-C again to abort now)",
           flush=True)
@@ -56,8 +65,10 @@ class StopRequests:
     return asked
 
   def restore(self):
-    for s, handler in self.previous.items():
-      signal.signal(s, handler)
+    """The handlers from before, unless a stop was asked (see above)."""
+    if self.received is None:
+      for s, handler in self.previous.items():
+        signal.signal(s, handler)
 
 
 def use_compilation_cache(directory: str):
@@ -84,13 +95,14 @@ def prepare_paths(config, family) -> str:
   return path
 
 
-def check_adapter_targets(config, family, path):
-  """The LoRA's targets less `adapter.exclude_modules` (`lora.select_targets`), checked on the
-  checkpoint's shapes before the datasets are cached rather than after (the family's own
-  target patterns match by construction: without exclusions there is nothing to check)."""
+def check_adapter(config, family, path):
+  """The LoRA's targets less `adapter.exclude_modules` (`lora.select_targets`) and its rank
+  (`lora.check_rank`), checked on the checkpoint's shapes before the datasets are cached and the
+  weights loaded rather than after."""
   cfg = models.checkpoint_config(family.type, path)
-  lora.select_targets(models.abstract_params(family, family.make_module(cfg), cfg),
-                      family.lora_targets, config.adapter.exclude_modules)
+  layer_params = models.abstract_params(family, family.make_module(cfg), cfg)
+  targets = lora.select_targets(layer_params, family.lora_targets, config.adapter.exclude_modules)
+  lora.check_rank(layer_params, targets, config.adapter.rank)
 
 
 def eval_settings(train_settings, entry):
@@ -215,6 +227,41 @@ def divergence(loss: float, grad_norm: float, first_losses: list) -> str | None:
   return None
 
 
+def planned_steps(config, steps_per_epoch: int) -> int:
+  """The steps a run trains in all: its epochs', or fewer where max_steps stops it early."""
+  steps = config.epochs * steps_per_epoch
+  return min(steps, config.max_steps) if config.max_steps else steps
+
+
+def check_unfinished(run_dir: str, meta: dict, config):
+  """Refuses to resume a run whose checkpoint is at or past its planned steps, its LoRA exported
+  there (it would train nothing), naming the limits it reached and what extends it. max_steps
+  only stops a run early, as in diffusion-pipe: more epochs extend one (and a max_steps that
+  stopped it, raised); a decaying learning rate schedule is then stretched over the new total
+  (it is a function of the total, not saved state)."""
+  step, per_epoch = meta["step"], meta["steps_per_epoch"]
+  exports = [f"step{step}"] + ([f"epoch{step // per_epoch}"] if step % per_epoch == 0 else [])
+  if step < planned_steps(config, per_epoch) or not any(
+      os.path.isdir(os.path.join(run_dir, name)) for name in exports):  # (a full disk): export it
+    return
+  reached, extend = [], []
+  if config.epochs * per_epoch <= step:
+    epochs = max(config.epochs + 1, -(-config.max_steps // per_epoch))  # to max_steps, if set
+    reached.append(f"epochs={config.epochs} ({per_epoch} steps each) end")
+    extend.append(f"epochs (e.g. --config.epochs={epochs})")
+  if 0 < config.max_steps <= step:
+    reached.append(f"max_steps={config.max_steps} stops it")
+    extend.append("max_steps (0: no limit)")
+  early = (f" (max_steps={config.max_steps} only stops a run early)"
+           if config.max_steps > step else "")
+  stretched = (f" (lr_scheduler={config.lr_scheduler!r} is then stretched over the new total: the "
+               f"learning rate rises again at step {step})"
+               if config.lr_scheduler != "constant" and not config.force_constant_lr else "")
+  raise UserError(f"--resume_from_checkpoint: {run_dir} is complete: its checkpoint is at step {step}, "
+                  f"where {' and '.join(reached)}{early}; to train on, raise {' and '.join(extend)}"
+                  f"{stretched}")
+
+
 def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
   """Trains a LoRA as `config` says (configs/common.py); `resume`: a run directory name under
   `output_dir`, or "latest", to continue. Returns the run directory (None with `cache_only`).
@@ -249,14 +296,16 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
                              if is_main_process else "")
     if is_main_process:
       on_exit.enter_context(checkpoint.lock_run_dir(run_dir))
+    ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
+    check_unfinished(run_dir, ckpt.meta(), config)
 
   # ---------------------------------------------------------------- data (cached once)
   # Process 0 writes the tiny default and the caches (a shared filesystem); the others wait for
   # it, then read them. The encoders load their models only when something needs encoding (and
   # for samples the VAE alone, when decoding).
   path = prepare_paths(config, family) if is_main_process else None
-  if path is not None and config.adapter.exclude_modules:
-    check_adapter_targets(config, family, path)
+  if path is not None:
+    check_adapter(config, family, path)
   encoders = family_lib.torch_side(family).load_encoders(config.model)
   cached = prompts = None
   if is_main_process:
@@ -283,8 +332,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   if cache_only:
     print(f"cached; exiting (--cache_only): {schedule(dataset)}")
     return None
-  total_steps = config.epochs * steps_per_epoch
-  total_steps = min(total_steps, config.max_steps) if config.max_steps else total_steps
+  total_steps = planned_steps(config, steps_per_epoch)
 
   # ---------------------------------------------------------------- model (frozen), on the mesh
   block_stacks = family.stacks(models.checkpoint_config(family.type, path))
@@ -315,7 +363,6 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   to_layers = jax.jit(layout.to_layers, out_shardings=replicated)  # checkpoints
   lora_to_layers = jax.jit(layout.to_layers, out_shardings=replicated["lora"])  # exports
   if resume is not None:
-    ckpt = checkpoint.Checkpointer(run_dir, keep=config.checkpoints_to_keep)
     check_resumable(run_dir, ckpt, config, layer_state)
     state, meta = ckpt.restore(abstract_state=jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer_state, replicated))
@@ -379,17 +426,26 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
     if is_main_process:
       folder = os.path.join(run_dir, "samples", f"step{step}")
       with space_for(f"the samples in {folder}"):
-        written = sample.write(encoders, latents, prompts, [os.path.join(folder, f"{i:02d}") for i in
-                                                            range(len(prompts.texts))],
+        written = sample.write(encoders, latents, prompts,
+                               sample.folder_paths(folder, len(prompts.texts), prompts.frames),
                                encoders.frame_rate or 24)
       for i, (_, pixels) in enumerate(written):
         metrics.image(step, f"samples/{i:02d}", sample.preview(pixels), examples=examples)
       tqdm.write(f"samples at step {step}: {folder}")
 
   def last_good_checkpoint():
-    latest = ckpt.latest_step()
-    return ("none yet" if latest is None else
-            os.path.join(run_dir, f"{checkpoint.STEP_PREFIX}{latest}") + " is kept")
+    complete = checkpoint.complete_steps(run_dir)  # read on disk: safe in a signal handler too
+    return ("none yet" if not complete else
+            os.path.join(run_dir, f"{checkpoint.STEP_PREFIX}{complete[-1]}") + " is kept")
+
+  def discard_failed_start():
+    """A run that ends before its first step leaves no run directory: nothing to keep."""
+    if step == 0 and resume is None and is_main_process:
+      shutil.rmtree(run_dir, ignore_errors=True)
+
+  def abort():
+    discard_failed_start()
+    return f"aborted by a second Ctrl-C at step {step}; the last good checkpoint: {last_good_checkpoint()}"
 
   @contextlib.contextmanager
   def space_for(what):
@@ -433,7 +489,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   epoch_losses, first_losses, warned = [], [], set()
   bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
   upcoming, compiled = placed_batches(step), set()
-  stop = StopRequests()
+  stop = StopRequests(on_abort=abort)
   failed = True  # until the last export: an error or a stop ends the W&B run as failed
   try:
     if evals and config.eval_before_first_step and step == 0:
@@ -516,7 +572,6 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
     stop.restore()
     bar.close()
     metrics.close(failed)
-    if step == 0 and resume is None and is_main_process:  # a failed start: nothing to keep
-      shutil.rmtree(run_dir, ignore_errors=True)
+    discard_failed_start()
   print(f"done: {step} steps in {run_dir}")
   return run_dir

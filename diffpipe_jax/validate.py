@@ -173,9 +173,26 @@ def combination_problems(config) -> list:
   return problems
 
 
+def unwritable(folder: str) -> str | None:
+  """Why `folder` (made if absent) cannot take new files: its nearest existing ancestor is a
+  file or not writable; None when it can."""
+  existing = os.path.abspath(folder)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    return f"{existing} is a file"
+  if not os.access(existing, os.W_OK | os.X_OK):  # a read-only filesystem refuses root too
+    return f"{existing} is not writable (a read-only filesystem or folder)"
+  return None
+
+
 def file_problems(config, family) -> list:
-  """Paths that must exist now: all but those `generate_tiny` writes (`tiny.generates`)."""
+  """Paths that must exist now (all but those `generate_tiny` writes: `tiny.generates`), and
+  output_dir, which must be writable."""
   problems = []
+  why = unwritable(config.output_dir)
+  if why:
+    problems.append(f"output_dir={config.output_dir!r}: {why}; set output_dir to a folder you can write")
   try:
     model_path = family.checkpoint_path(config.model)
     if not (os.path.exists(model_path) or tiny.generates(config, model_path)):
@@ -190,7 +207,7 @@ def file_problems(config, family) -> list:
     if e.get("toml_path"):
       try:
         data.dataset_settings(dict(toml_path=e.toml_path))
-      except (UserError, OSError) as err:
+      except UserError as err:
         problems.append(f"eval_datasets.{name}.toml_path: {err}")
     elif not (os.path.isdir(e.get("path", "")) or tiny.generates(config, e.get("path", ""))):
       problems.append(f"eval_datasets.{name}.path={e.get('path', '')!r}: no such directory")

@@ -136,6 +136,19 @@ def test_a_missing_dataset_or_model_type_says_where_paths_resolve(in_tmp):
     diffusion_pipe.config_from_toml(str(in_tmp / "t.toml"))
 
 
+def test_a_toml_syntax_error_is_one_line_naming_the_file_and_line(in_tmp):
+  """In the training TOML, and in a dataset TOML that it names as its dataset or an eval set's."""
+  with open(in_tmp / "broken.toml", "w") as f:
+    f.write("resolutions = [32]\nnum_repeats 2\n")
+  syntax = "broken.toml: not valid TOML: Expected '=' after a key in a key/value pair (at line 2, column 13)"
+  with pytest.raises(UserError) as e:
+    diffusion_pipe.config_from_toml("broken.toml")
+  assert str(e.value) == f"--config {syntax}"
+  config, _ = translated(in_tmp, top="dataset = 'broken.toml'\neval_datasets = [{name = 'e', config = 'broken.toml'}]")
+  problems = validate.file_problems(config, family_lib.get("flux"))
+  assert syntax in problems and f"eval_datasets.e.toml_path: {syntax}" in problems, problems
+
+
 def test_values_are_checked_by_the_config_rules(in_tmp):
   """Wrong values pass the translation and fail validation with the key's rule, as our own
   config files do (the optimizer's name included)."""

@@ -162,6 +162,20 @@ def test_an_exclusion_that_excludes_nothing_is_an_error(flux):
     init("transformer_blocks.3.attn.to_q")
 
 
+def test_a_rank_above_a_targets_smaller_side_is_refused_before_the_weights_load(tiny_models):
+  """From the checkpoint's config alone (`train.check_adapter`, before caching and loading), the
+  line names the target that bounds the rank, its shape and the largest rank."""
+  from diffpipe_jax import train
+  tiny, config = tiny_models("flux"), family_config("flux")
+  check = lambda: train.check_adapter(config, tiny["family"], tiny["layouts"]["diffusers"])
+  config.adapter.rank = 100000
+  with pytest.raises(UserError, match=r"^adapter.rank=100000: at most 64 for this model, the smaller side "
+                                      r"of the LoRA target single_transformer_blocks.attn.to_k \(64 x 64\)$"):
+    check()
+  config.adapter.rank = 64
+  check()
+
+
 FLUX_PREFIX = "transformer."  # our Flux exports' (diffusers')
 
 

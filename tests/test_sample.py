@@ -195,8 +195,8 @@ def test_loras_combine_into_the_sum_of_their_updates(tiny_models):
 
 
 def test_the_sampling_command_draws_with_loras(tmp_path, tiny_models, monkeypatch):
-  """`python -m diffpipe_jax.sample` on the tiny default: a PNG of the requested size and its
-  prompt; in-process (`sample.run`, what the command calls), a LoRA at scale 0 draws the base
+  """`python -m diffpipe_jax.sample` on the tiny default: a JPEG (as `--out` names it) and its
+  prompt; in-process (PNGs of the requested size) (`sample.run`, what the command calls), a LoRA at scale 0 draws the base
   model, and a missing LoRA is a one-line error before anything loads."""
   import subprocess
   import sys
@@ -209,22 +209,49 @@ def test_the_sampling_command_draws_with_loras(tmp_path, tiny_models, monkeypatc
                    str(tmp_path / "lora"), tiny["family"], 4, np.float32)
   run = subprocess.run(
       [sys.executable, "-m", "diffpipe_jax.sample", "--config", os.path.join(root, "configs", "flux.py:tiny"),
-       "--prompt", "a red pattern", "--height", "24", "--width", "40", "--out", str(tmp_path / "one.png"),
+       "--prompt", "a red pattern", "--height", "24", "--width", "40", "--out", str(tmp_path / "one.jpg"),
        f"--lora={path}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  assert run.returncode == 0 and f"wrote {tmp_path / 'one.png'}" in run.stdout, run.stdout
+  assert run.returncode == 0 and f"wrote {tmp_path / 'one.jpg'}" in run.stdout, run.stdout
   assert (tmp_path / "one.txt").read_text() == "a red pattern\n"
+  assert Image.open(tmp_path / "one.jpg").format == "JPEG"
   monkeypatch.chdir(tmp_path)  # the tiny default's paths, as the command had them
   config = family_config("flux")
   draw = lambda out, *loras: sample.run(config, loras, ["a red pattern"], str(tmp_path / out), height=24,
                                         width=40)
   draw("base.png")
   draw("zero.png", f"{path}:0")
-  pixels = {out: np.asarray(Image.open(tmp_path / out)) for out in ("base.png", "zero.png", "one.png")}
+  pixels = {out: np.asarray(Image.open(tmp_path / out)) for out in ("base.png", "zero.png", "one.jpg")}
   assert pixels["base.png"].shape == (24, 40, 3)
   np.testing.assert_array_equal(pixels["zero.png"], pixels["base.png"])
-  assert np.abs(pixels["one.png"].astype(int) - pixels["base.png"]).max() > 2
+  assert np.abs(pixels["one.jpg"].astype(int) - pixels["base.png"]).max() > 2
   with pytest.raises(UserError, match="^--lora missing.safetensors does not exist$"):
     draw("odd.png", "missing.safetensors")
+
+
+def test_out_is_a_folder_or_a_file_in_its_format_and_one_that_cannot_hold_the_samples_is_one_line(tmp_path):
+  from diffpipe_jax.errors import UserError
+  assert sample.output_paths("out.jpg", 1, 1) == ["out.jpg"]
+  assert sample.output_paths("out.webp", 2, 1) == ["out_00.webp", "out_01.webp"]  # several prompts
+  assert sample.output_paths("clips", 2, 9) == ["clips/00.mp4", "clips/01.mp4"]
+  (tmp_path / "v1.5").mkdir()  # an existing folder, whatever its name
+  assert sample.output_paths(str(tmp_path / "v1.5"), 1, 1) == [str(tmp_path / "v1.5" / "00.png")]
+  with pytest.raises(UserError, match=r"^--out l\.png: each sample is a video of 9 frames; name a \.mp4 "
+                                      r"or \.webm file, or a folder \(a path without extension\)$"):
+    sample.output_paths("l.png", 1, 9)
+  with pytest.raises(UserError, match=r"^--out out\.gif: each sample is an image; name a \.png, \.jpg, "
+                                      r"\.jpeg or \.webp file"):
+    sample.output_paths("out.gif", 1, 1)
+
+
+def test_a_lora_scale_that_is_not_a_number_is_one_line(tmp_path):
+  from diffpipe_jax.errors import UserError
+  assert sample.lora_argument("a.safetensors:0.5") == ("a.safetensors", 0.5)
+  assert sample.lora_argument("a.safetensors") == ("a.safetensors", 1.0)
+  (tmp_path / "run:1").mkdir()  # a path with a colon of its own
+  assert sample.lora_argument(str(tmp_path / "run:1")) == (str(tmp_path / "run:1"), 1.0)
+  with pytest.raises(UserError, match=r"^the scale 'abc' of --lora path:abc is not a number \(--lora PATH "
+                                      r"or PATH:SCALE\)$"):
+    sample.lora_argument("path:abc")
 
 
 def test_a_sample_size_the_vae_cannot_take_is_one_line():

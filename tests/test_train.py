@@ -9,6 +9,7 @@ import glob
 import importlib.machinery
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -172,6 +173,36 @@ def resume_refusals_are_one_line(tmp_path, name, run_a, run_b, args):
   assert other.returncode != 0 and other.stdout.strip().splitlines()[-1].endswith(
       "has rank 4, this adapter rank 8: set adapter.rank=4 to continue it"), other.stdout
   assert not os.path.exists(tmp_path / "d")
+  # a complete run, before any work: max_steps only stops a run early (the issue's case)
+  complete = run_main(tmp_path, name, "--resume_from_checkpoint", "--config.max_steps=14", *args, output="a")
+  assert complete.returncode != 0 and complete.stdout.strip().splitlines()[-1] == (
+      f"error: --resume_from_checkpoint: {run_a} is complete: its checkpoint is at step 12, where "
+      "epochs=4 (3 steps each) end (max_steps=14 only stops a run early); to train on, raise epochs "
+      "(e.g. --config.epochs=5)"), complete.stdout
+  assert not os.path.exists(os.path.join(run_a, "config_resumed.json"))
+
+
+def test_a_complete_run_is_not_resumed_the_line_names_the_limits_reached_and_what_extends_it(tmp_path):
+  config, meta = tiny_config(MACHINERY_FAMILY), dict(step=12, steps_per_epoch=3)  # 4 epochs
+  run = str(tmp_path)
+  train.check_unfinished(run, meta, config)  # its last LoRA not exported yet (a full disk): resumed
+  os.mkdir(tmp_path / "epoch4")
+
+  def refusal(**overrides):
+    config.update_from_flattened_dict(overrides)
+    with pytest.raises(UserError) as e:
+      train.check_unfinished(run, meta, config)
+    return str(e.value).removeprefix(f"--resume_from_checkpoint: {run} is complete: its checkpoint is at step 12, ")
+
+  assert refusal(max_steps=8) == ("where epochs=4 (3 steps each) end and max_steps=8 stops it; to train on, "
+                                  "raise epochs (e.g. --config.epochs=5) and max_steps (0: no limit)")
+  assert refusal(epochs=5) == "where max_steps=8 stops it; to train on, raise max_steps (0: no limit)"
+  assert refusal(epochs=4, max_steps=20, lr_scheduler="cosine") == (
+      "where epochs=4 (3 steps each) end (max_steps=20 only stops a run early); to train on, raise epochs "
+      "(e.g. --config.epochs=7) (lr_scheduler='cosine' is then stretched over the new total: the "
+      "learning rate rises again at step 12)")
+  config.update_from_flattened_dict(dict(epochs=5, max_steps=0))
+  train.check_unfinished(run, meta, config)  # steps left: resumed
 
 
 def samples_written_at(run_dir, steps, config):
@@ -657,3 +688,35 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes_exa
   (reference,) = glob.glob(str(tmp_path / "ref" / "*"))
   np.testing.assert_allclose([m["train/loss"] for m in read_metrics(run)],
                              [m["train/loss"] for m in read_metrics(reference)], rtol=1e-5)
+
+
+def test_a_second_ctrl_c_aborts_at_once_in_one_line_naming_the_last_good_checkpoint(
+    tmp_path, name=MACHINERY_FAMILY):
+  """The first Ctrl-C asks for a stop after the step; a second one, while the step or its
+  checkpoint is on its way, exits at once with status 130 and one line, no traceback, and the
+  checkpoint it names is complete."""
+  command = [sys.executable, os.path.join(ROOT, "main.py"), "--config", config_file(name) + ":tiny",
+             f"--config.output_dir={tmp_path}/out", *no_samples(), "--config.checkpoint_every_n_steps=1"]
+  proc = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(1)),
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  metrics = lambda: glob.glob(str(tmp_path / "out" / "*" / "metrics.jsonl"))
+  start = time.time()
+  while not (metrics() and len(read_metrics(os.path.dirname(metrics()[0]))) >= 2) and time.time() - start < 300:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  out = []
+  for line in proc.stdout:  # the first one handled: two signals at once would count as one
+    out.append(line)
+    if "stopping after this step" in line:
+      break
+  proc.send_signal(signal.SIGINT)
+  aborted = time.time()
+  out = "".join(out) + proc.communicate(timeout=60)[0]
+  assert proc.returncode == 130 and "Traceback" not in out, out
+  assert time.time() - aborted < 10, out
+  (run,) = glob.glob(str(tmp_path / "out" / "*"))
+  last = max(checkpoint.complete_steps(run))  # a checkpoint a step: the step's, or the one before
+  found = re.fullmatch(r"error: aborted by a second Ctrl-C at step (\d+); the last good checkpoint: (.*) is kept",
+                       out.strip().splitlines()[-1])
+  assert found and int(found[1]) in (last, last + 1), out
+  assert found[2] == os.path.join(run, f"global_step{last}"), out

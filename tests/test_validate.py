@@ -96,6 +96,7 @@ COMBINATIONS_AND_FILES = [
     ({"eval_datasets.tiny_eval.path": "evalz"}, "eval_datasets.tiny_eval.path='evalz': no such directory"),
     ({"adapter.init_from_existing": "lora.safetensors"}, "adapter.init_from_existing='lora.safetensors': no such file"),
     ({"generate_tiny": False}, ": no such file or directory"),  # the model path, no longer generated
+    ({"dataset.path": "", "dataset.toml_path": "dataset.toml"}, "dataset.toml: no such file"),
 ]
 
 
@@ -104,6 +105,20 @@ COMBINATIONS_AND_FILES = [
 def test_combinations_and_paths_are_checked(name, overrides, line):
   found = problems(name, overrides)
   assert any(line in f for f in found), found
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
+  """Before anything is cached or loaded (the run directory is made only after both)."""
+  readonly, file = tmp_path / "readonly", tmp_path / "file"
+  readonly.mkdir(mode=0o555)
+  file.write_text("")
+  if os.access(readonly, os.W_OK):  # root: only a read-only filesystem refuses it; be one
+    monkeypatch.setattr(os, "access", lambda path, mode: os.path.abspath(path) != str(readonly))
+  assert problems(FAMILIES[0], {"output_dir": str(readonly / "runs")}) == [
+      f"output_dir='{readonly}/runs': {readonly} is not writable (a read-only filesystem or folder); "
+      "set output_dir to a folder you can write"]
+  assert problems(FAMILIES[0], {"output_dir": "file/runs"}) == [
+      f"output_dir='file/runs': {file} is a file; set output_dir to a folder you can write"]
 
 
 def test_main_stops_on_a_bad_value_in_one_line_before_writing_anything(tmp_path):
