@@ -170,7 +170,7 @@ def test_cached_dataset_latents_equal_a_direct_vae_encode(tmp_path, encoders, pi
   (item,) = media.scan_directory(folder)
   frames = data.cache_items(media.DirectorySettings(path=folder, resolutions=(32,), enable_ar_bucket=True,
                                                     min_ar=0.5, max_ar=2.0, num_ar_buckets=7,
-                                                    frame_buckets=(1,)), [item], encoders)[0]["load_pixels"]()
+                                                    frame_buckets=(1,)), [item], encoders)[0][0]["load_pixels"]()
   with torch.no_grad():
     z = vae.encode(torch.from_numpy(frames[0]).permute(2, 0, 1)[None]).latent_dist.mean
   z = (z - vae.config.shift_factor) * vae.config.scaling_factor
