@@ -145,6 +145,10 @@ def read_metrics(run_dir, tag="train/loss"):
     return [m for m in map(json.loads, f) if tag in m]
 
 
+def epoch_losses(run_dir):
+  return [m["train/epoch_loss"] for m in read_metrics(run_dir, "train/epoch_loss")]
+
+
 def swap_message(fam, path, blocks):
   """What a run prints when `blocks` blocks' weights are swapped to host memory."""
   swap = sharding.swapped_layers(fam.stacks(models.checkpoint_config(fam.type, path)), blocks)
@@ -234,6 +238,8 @@ def test_resume_gives_the_same_run(tmp_path, monkeypatch, name):
   losses_b = [m["train/loss"] for m in read_metrics(run_b)]
   assert len(losses_a) == len(losses_b) == 12
   np.testing.assert_allclose(losses_b, losses_a, rtol=1e-5)
+  # the epoch resumed in its middle (at step 5 of 4-6) averages all its steps
+  np.testing.assert_allclose(epoch_losses(run_b), epoch_losses(run_a), rtol=1e-5)
   final_a = load_file(os.path.join(run_a, "epoch4", lora.WEIGHTS_NAME))
   final_b = load_file(os.path.join(run_b, "epoch4", lora.WEIGHTS_NAME))
   # Swapping runs the blocks as a program of its own, whose rounding AdamW amplifies where a
@@ -657,3 +663,4 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes_exa
   (reference,) = glob.glob(str(tmp_path / "ref" / "*"))
   np.testing.assert_allclose([m["train/loss"] for m in read_metrics(run)],
                              [m["train/loss"] for m in read_metrics(reference)], rtol=1e-5)
+  np.testing.assert_allclose(epoch_losses(run), epoch_losses(reference), rtol=1e-5)
