@@ -3,6 +3,7 @@ HunyuanVideoPipeline's own (its VAE, frame-wise encoding included; `encode_promp
 image and video templates), and Tencent's folder and ComfyUI's files give the same encoders as
 the diffusers folder."""
 import json
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -182,12 +183,19 @@ def test_tencents_folder_gives_the_diffusers_folders_encoders(ckpts, encoders):
   assert_same_encoders(official, encoders)
 
 
-def test_comfyuis_files_give_the_diffusers_folders_encoders(ckpts, comfyui_vae, pipe, encoders):
-  comfyui = HunyuanVideoEncoders.load(vae_path=comfyui_vae, llm_path=f"{ckpts}/text_encoder",
+def tencents_vae(ckpts):
+  return f"{ckpts}/{hunyuan_video.OFFICIAL_VAE}/{hunyuan_video.OFFICIAL_VAE_WEIGHTS}"
+
+
+@pytest.mark.parametrize("vae_file", ["comfyui", "tencent"])
+def test_comfyuis_files_give_the_diffusers_folders_encoders(ckpts, comfyui_vae, pipe, encoders, vae_file):
+  """ComfyUI's VAE file, or Tencent's pytorch_model.pt given alone as vae_path."""
+  vae = comfyui_vae if vae_file == "comfyui" else tencents_vae(ckpts)
+  comfyui = HunyuanVideoEncoders.load(vae_path=vae, llm_path=f"{ckpts}/text_encoder",
                                       clip_path=f"{ckpts}/text_encoder_2", device="cpu")
   read = json.loads(json.dumps(comfyui.vae_config))  # from the file's shapes; tuples as lists
   assert read == {key: pipe.vae.config[key] for key in read}
-  assert comfyui.component_files("vae") == [comfyui_vae]
+  assert comfyui.component_files("vae") == [vae]
   assert_same_encoders(comfyui, encoders)
 
 
@@ -221,6 +229,12 @@ def test_missing_components_name_the_keys_to_set(pipeline, comfyui_vae, tmp_path
   write_safetensors({"x": np.zeros(2, np.float32)}, str(tmp_path / "x.safetensors"))
   with pytest.raises(UserError, match="is not a HunyuanVideo VAE \\(it has no 'encoder.conv_in"):
     HunyuanVideoEncoders.load(diffusers_path=pipeline, vae_path=str(tmp_path / "x.safetensors"))
+  for intact, message in ((comfyui_vae, "is truncated: its header describes"),
+                          (tencents_vae(f"{pipeline}/ckpts"), "is not a readable torch checkpoint")):
+    cut = tmp_path / os.path.basename(intact)  # a download cut in half
+    cut.write_bytes(open(intact, "rb").read()[:os.path.getsize(intact) // 2])
+    with pytest.raises(UserError, match=message):
+      HunyuanVideoEncoders.load(diffusers_path=pipeline, vae_path=str(cut))
 
 
 def test_the_transformer_layouts_hold_the_same_tensors(tmp_path):

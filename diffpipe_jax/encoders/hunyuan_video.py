@@ -9,7 +9,8 @@ import os
 import numpy as np
 
 from diffpipe_jax import tiny
-from diffpipe_jax.convert.tensorfile import common_prefix, read_header, write_safetensors
+from diffpipe_jax.convert.tensorfile import (TORCH_PICKLE_SUFFIXES, common_prefix, open_tensor_file,
+                                             torch_state_dict, write_safetensors)
 from diffpipe_jax.encoders import Encoders, default_device, folder_files
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import TorchSide
@@ -51,7 +52,8 @@ SOURCES = {
     "text_encoder_2": (("clip_path", ""), ("ckpt_path", "text_encoder_2"),
                        ("diffusers_path", "text_encoder_2")),
 }
-WHAT = {"vae_path": "a ComfyUI HunyuanVideo VAE .safetensors file",
+WHAT = {"vae_path": (f"a HunyuanVideo VAE file: ComfyUI's .safetensors, or Tencent's "
+                     f"{OFFICIAL_VAE}/{OFFICIAL_VAE_WEIGHTS}"),
         "llm_path": "the LLaMA text encoder folder with its tokenizer",
         "clip_path": "the CLIP-L text encoder folder with its tokenizer",
         "ckpt_path": f"Tencent's folder with {OFFICIAL_MODEL}/vae, text_encoder and text_encoder_2",
@@ -297,11 +299,11 @@ def vae_config_from_shapes(shapes, path):
 
 def read_vae_config(source):
   """The VAE's config without loading it: a diffusers folder's config.json, Tencent's mapped, or
-  a ComfyUI file's shapes."""
+  a file's shapes (ComfyUI's, or Tencent's pytorch_model.pt given alone)."""
   if os.path.isfile(source):
-    header, _ = read_header(source)
-    prefix = common_prefix(header, ("vae.",))
-    return vae_config_from_shapes({k[len(prefix):]: e["shape"] for k, e in header.items()}, source)
+    shapes = open_tensor_file(source).shapes()
+    prefix = common_prefix(shapes, ("vae.",))
+    return vae_config_from_shapes({k[len(prefix):]: shape for k, shape in shapes.items()}, source)
   with open(os.path.join(source, "config.json")) as f:
     config = json.load(f)
   return (vae_config_from_tencent(config)
@@ -309,16 +311,12 @@ def read_vae_config(source):
 
 
 def vae_tensors(source):
-  """A ComfyUI file's or Tencent's VAE tensors; as Tencent's loader does, a `state_dict`
-  wrapper and a `vae.` prefix are taken off."""
-  import torch
+  """The VAE tensors of a file (ComfyUI's safetensors, Tencent's pytorch_model.pt) or of
+  Tencent's folder; as Tencent's loader does, a `state_dict` wrapper and a `vae.` prefix are
+  taken off."""
   from safetensors.torch import load_file
-  if os.path.isfile(source):
-    tensors = load_file(source)
-  else:
-    tensors = torch.load(os.path.join(source, OFFICIAL_VAE_WEIGHTS), map_location="cpu",
-                         weights_only=True, mmap=True)
-    tensors = tensors.get("state_dict", tensors)
+  path = source if os.path.isfile(source) else os.path.join(source, OFFICIAL_VAE_WEIGHTS)
+  tensors = torch_state_dict(path) if path.endswith(TORCH_PICKLE_SUFFIXES) else load_file(path)
   prefix = common_prefix(tensors, ("vae.",))
   return {k[len(prefix):]: v for k, v in tensors.items()}
 
