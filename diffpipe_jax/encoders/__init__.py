@@ -4,9 +4,16 @@ dataset or write tiny models, so that training never imports torch."""
 import contextlib
 import hashlib
 import json
+import logging
 import os
 
 from tqdm import tqdm
+
+# transformers warns, once diffusers' pipeline modules import its image processors, that they
+# fall back to PIL without torchvision: no family uses an image processor, so it says nothing
+TORCHVISION_FALLBACK = "requires torchvision (not installed); falling back to"
+logging.getLogger("transformers.utils.import_utils").addFilter(
+    lambda record: TORCHVISION_FALLBACK not in record.getMessage())
 
 
 def default_device():
