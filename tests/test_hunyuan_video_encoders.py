@@ -4,6 +4,7 @@ image and video templates), and Tencent's folder and ComfyUI's files give the sa
 the diffusers folder."""
 import json
 import os
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,7 +14,7 @@ from diffusers import HunyuanVideoPipeline
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 from safetensors.numpy import load_file
 
-from conftest import load_encoders
+from conftest import load_encoders, transformers_log
 from diffpipe_jax import cache, data, tiny
 from diffpipe_jax.convert.tensorfile import write_safetensors
 from diffpipe_jax.encoders import hunyuan_video
@@ -180,7 +181,24 @@ def test_tencents_folder_gives_the_diffusers_folders_encoders(ckpts, encoders):
   assert official.sources["vae"] == f"{ckpts}/hunyuan-video-t2v-720p/vae"
   assert official.vae_config["block_out_channels"] == [32, 32, 64, 64]  # Tencent's config.json
   assert official.identity() != encoders.identity()  # its files are part of the fingerprint
-  assert_same_encoders(official, encoders)
+  with transformers_log() as records:
+    assert_same_encoders(official, encoders)
+  # the LLaMA's head and CLIP's vision tower, which Tencent's folders hold, are not reported
+  assert not [r.getMessage() for r in records if "LOAD REPORT" in r.getMessage()]
+
+
+def test_a_missing_or_unknown_text_encoder_tensor_is_still_reported(ckpts, tmp_path):
+  clip = shutil.copytree(f"{ckpts}/text_encoder_2", tmp_path / "clip")
+  tensors = load_file(clip / "model.safetensors")
+  del tensors["text_model.final_layer_norm.bias"]
+  write_safetensors({**tensors, "text_model.surprise": np.zeros(1, np.float32)},
+                    str(clip / "model.safetensors"))
+  with transformers_log() as records:
+    HunyuanVideoEncoders.load(ckpt_path=ckpts, clip_path=str(clip), device="cpu").clip
+  (report,) = [r.getMessage() for r in records if "LOAD REPORT" in r.getMessage()]
+  assert "final_layer_norm.bias" in report and "MISSING" in report
+  assert "surprise" in report and "UNEXPECTED" in report
+  assert "vision_model" not in report
 
 
 def tencents_vae(ckpts):

@@ -3,8 +3,10 @@ hidden states in Tencent's prompt templates with their mask; CLIP-L pooled outpu
 random pipeline and checkpoints for tests and the embedded default, built with the real diffusers
 and transformers classes and saved in the real on-disk layouts: a diffusers folder, Tencent's
 official `ckpts/` folder, and ComfyUI's single files."""
+import contextlib
 import json
 import os
+from unittest import mock
 
 import numpy as np
 
@@ -33,6 +35,13 @@ VIDEO_TEMPLATE = (
     "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>")
 SKIPPED_LAYERS = 2  # the text embeddings are the LLaMA's hidden states before its last two layers
 CLIP_TOKENS = 77
+# What Tencent's text encoder folders hold beside what is used (patterns of tensor names): the
+# LLaVA language model's head (`text_encoder/` is a LlamaForCausalLM) and CLIP's vision tower and
+# projections (`text_encoder_2/` is the whole CLIP-L). They are left out without a word; any
+# other unexpected or missing tensor is still reported.
+UNUSED_TENSORS = {"LlamaModel": (r"^lm_head\.",),
+                  "CLIPTextModel": (r"^vision_model\.", r"^visual_projection\.",
+                                    r"^text_projection\.", r"^logit_scale$")}
 
 # Tencent's official folder (diffusion-pipe's model.ckpt_path), relative to it.
 OFFICIAL_TRANSFORMER = f"{OFFICIAL_MODEL}/{OFFICIAL_FILE}"
@@ -110,8 +119,9 @@ class HunyuanVideoEncoders(Encoders):
 
   def load_text_encoders(self):
     from transformers import CLIPTextModel, CLIPTokenizer, LlamaModel, PreTrainedTokenizerFast
-    model = lambda cls, sub: cls.from_pretrained(self.sources[sub], dtype=self.dtype).to(
-        self.device).eval()
+    def model(cls, sub):
+      with quiet_about_unused(cls):
+        return cls.from_pretrained(self.sources[sub], dtype=self.dtype).to(self.device).eval()
     # the tokenizer.json as written: transformers 5's LlamaTokenizerFast rebuilds a
     # sentencepiece-style pipeline that mangles LLaMA-3's byte-level tokens
     self.tokenizer = PreTrainedTokenizerFast.from_pretrained(self.sources["tokenizer"],
@@ -213,6 +223,17 @@ class HunyuanVideoEncoders(Encoders):
     self.count_truncated(f"are longer than CLIP's {CLIP_TOKENS} tokens and were truncated for "
                          f"CLIP, as HunyuanVideoPipeline truncates them; the LLaMA reads up to "
                          f"{limit}", self.clip_tokenizer, captions, CLIP_TOKENS)
+
+
+@contextlib.contextmanager
+def quiet_about_unused(cls):
+  """While it lasts, `cls` (a transformers model class) loads without reporting its
+  `UNUSED_TENSORS`: transformers' load report leaves out the names a class lists as ignorable.
+  (A subclass saying so would be custom code to transformers, which then skips the renames that
+  load a whole CLIP's text tower.)"""
+  ignored = [*(cls._keys_to_ignore_on_load_unexpected or ()), *UNUSED_TENSORS[cls.__name__]]
+  with mock.patch.object(cls, "_keys_to_ignore_on_load_unexpected", ignored):
+    yield
 
 
 def crop_start(tokenizer, template):
