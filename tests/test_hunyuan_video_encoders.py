@@ -206,15 +206,22 @@ def tencents_vae(ckpts):
 
 
 @pytest.mark.parametrize("vae_file", ["comfyui", "tencent"])
-def test_comfyuis_files_give_the_diffusers_folders_encoders(ckpts, comfyui_vae, pipe, encoders, vae_file):
-  """ComfyUI's VAE file, or Tencent's pytorch_model.pt given alone as vae_path."""
+def test_comfyuis_files_give_the_diffusers_folders_encoders(ckpts, comfyui_vae, pipe, encoders, vae_file,
+                                                           capsys):
+  """ComfyUI's VAE file, or Tencent's pytorch_model.pt given alone as vae_path; each load says
+  what it loads from where."""
   vae = comfyui_vae if vae_file == "comfyui" else tencents_vae(ckpts)
   comfyui = HunyuanVideoEncoders.load(vae_path=vae, llm_path=f"{ckpts}/text_encoder",
                                       clip_path=f"{ckpts}/text_encoder_2", device="cpu")
   read = json.loads(json.dumps(comfyui.vae_config))  # from the file's shapes; tuples as lists
   assert read == {key: pipe.vae.config[key] for key in read}
   assert comfyui.component_files("vae") == [vae]
+  encoders.vae, encoders.llm  # loaded before what this test prints
+  capsys.readouterr()
   assert_same_encoders(comfyui, encoders)
+  assert capsys.readouterr().out.splitlines() == [
+      f"loading the VAE from {vae} (cpu)",
+      f"loading the text encoders from {ckpts}/text_encoder, {ckpts}/text_encoder_2 (cpu)"]
 
 
 def test_comfyuis_files_then_tencents_folder_win(pipeline, ckpts, comfyui_vae):

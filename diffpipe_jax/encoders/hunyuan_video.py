@@ -13,7 +13,7 @@ import numpy as np
 from diffpipe_jax import tiny
 from diffpipe_jax.convert.tensorfile import (TORCH_PICKLE_SUFFIXES, common_prefix, open_tensor_file,
                                              torch_state_dict, write_safetensors)
-from diffpipe_jax.encoders import Encoders, default_device, folder_files
+from diffpipe_jax.encoders import Encoders, default_device
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import TorchSide
 from diffpipe_jax.models.hunyuan_video import FAMILY, OFFICIAL_FILE, OFFICIAL_MODEL
@@ -130,9 +130,8 @@ class HunyuanVideoEncoders(Encoders):
     self.clip_tokenizer = CLIPTokenizer.from_pretrained(self.sources["tokenizer_2"])
     self.clip = model(CLIPTextModel, "text_encoder_2")
 
-  def component_files(self, sub):
-    source = self.sources[sub]
-    return folder_files(source) if os.path.isdir(source) else [source]
+  def component_source(self, sub):
+    return self.sources[sub]
 
   @property
   def spatial_factor(self):
