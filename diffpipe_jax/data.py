@@ -45,6 +45,17 @@ def dataset_settings(dataset_config) -> media.DatasetSettings:
   return settings
 
 
+def config_as_run(config, settings: media.DatasetSettings):
+  """A copy of `config` whose dataset keys hold what the run uses: those of a dataset TOML
+  (`toml_path`) instead of the values it leaves unused, so that the run's config.json (and W&B,
+  and a resume's comparison with it) shows them."""
+  run = config.copy_and_resolve_references()
+  for key in run.dataset.keys():
+    if hasattr(settings, key):
+      run.dataset[key] = getattr(settings, key)
+  return run
+
+
 def upscale_warning(path: str, assigned: Sequence[tuple]) -> Optional[str]:
   """One warning for the files of a directory that are upscaled more than MAX_UPSCALE to cover
   their largest bucket (a 1x1 or 64x64 image in a 512 bucket trains the model on a blur), None

@@ -262,6 +262,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
     cached = cached or cache_datasets(config, family, encoders, regenerate_cache, build=False)
     if sampling_on(config) and prompts is None:
       prompts = encode_sample_prompts(config, family, encoders)  # process 0's, read back
+  config = data.config_as_run(config, data.dataset_settings(config.dataset))
   accum, eval_accum = config.gradient_accumulation_steps, config.eval_gradient_accumulation_steps
   micro = data.micro_batch_sizes(config.micro_batch_size_per_gpu, config.image_micro_batch_size_per_gpu)
   eval_micro = (data.micro_batch_sizes(config.eval_micro_batch_size_per_gpu)
