@@ -9,6 +9,7 @@ import glob
 import importlib.machinery
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -347,6 +348,24 @@ def test_a_resumed_start_counts_the_examples_seen_once(tmp_path, monkeypatch, na
   config.max_steps = 3
   train.run(config, resume="latest")
   assert counted == [2]
+
+
+def test_readme_shows_the_lines_of_metrics_jsonl(tmp_path, monkeypatch, name=MACHINERY_FAMILY):
+  """README's example of metrics.jsonl: each kind of line the trainer writes (a step's, an
+  epoch's, an eval's), its keys in order (values elided, an eval's quantiles cut short)."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(train, "make_step", fake_step(loss=1.0, grad_norm=1.0))
+  monkeypatch.setattr(train, "make_eval", lambda *args: lambda *a: np.ones(len(update.EVAL_QUANTILES)))
+  run = train.run(tiny_config(name, output_dir=str(tmp_path / "out"), eval_before_first_step=False,
+                              max_steps=3))  # an epoch
+  with open(os.path.join(run, "metrics.jsonl")) as f:
+    written = {tuple(json.loads(line)) for line in f}
+  with open(os.path.join(ROOT, "README.md")) as f:
+    examples = re.findall(r'`(\{"step".*?\})`', " ".join(f.read().split()))
+  shown = {tuple(re.findall(r'"([^"]+)":', example)) for example in examples}
+  assert len(written) == len(shown) == 3, (written, shown)
+  assert all(any(keys[:len(s)] == s for s in shown) for keys in written), (written, shown)
+  assert all(any(keys[:len(s)] == s for keys in written) for s in shown), (written, shown)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
