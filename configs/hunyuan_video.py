@@ -25,7 +25,7 @@ def get_config(arg=""):
   # or ComfyUI's files, each winning over the folders for its part: the transformer (bf16 or
   # fp8_e4m3fn .safetensors, or Tencent's .pt), the VAE, the LLaMA and CLIP folders
   c.model.transformer_path = ""
-  c.model.vae_path = ""
+  c.model.vae_path = ""  # ComfyUI's VAE .safetensors, or Tencent's vae/pytorch_model.pt
   c.model.llm_path = ""
   c.model.clip_path = ""
   c.model.guidance = 1.0  # the guidance embedding's input while training (x 1000 inside)

@@ -6,6 +6,7 @@ The data position is therefore just (epoch, batch index), which the checkpoint s
 the step, and a resumed run sees exactly the batches it would have seen. grain serves them with
 prefetching threads; each process loads only its rows of a global batch (multi-host).
 """
+import collections
 import dataclasses
 import logging
 import os
@@ -21,7 +22,6 @@ from diffpipe_jax.errors import UserError
 # Up to 2x (a 512 pixel photo in a 1024 bucket) is common and Lanczos keeps it sharp enough;
 # beyond it each source pixel spreads over more than 2x2 bucket pixels and the blur shows.
 MAX_UPSCALE = 2.0
-_MAX_NAMES = 5  # files named in the upscale warning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,17 @@ def dataset_settings(dataset_config) -> media.DatasetSettings:
   return settings
 
 
+def config_as_run(config, settings: media.DatasetSettings):
+  """A copy of `config` whose dataset keys hold what the run uses: those of a dataset TOML
+  (`toml_path`) instead of the values it leaves unused, so that the run's config.json (and W&B,
+  and a resume's comparison with it) shows them."""
+  run = config.copy_and_resolve_references()
+  for key in run.dataset.keys():
+    if hasattr(settings, key):
+      run.dataset[key] = getattr(settings, key)
+  return run
+
+
 def upscale_warning(path: str, assigned: Sequence[tuple]) -> Optional[str]:
   """One warning for the files of a directory that are upscaled more than MAX_UPSCALE to cover
   their largest bucket (a 1x1 or 64x64 image in a 512 bucket trains the model on a blur), None
@@ -58,35 +69,79 @@ def upscale_warning(path: str, assigned: Sequence[tuple]) -> Optional[str]:
                     f"{worst.width}x{worst.height}")
   if not blurry:
     return None
-  more = f" and {len(blurry) - _MAX_NAMES} more" if len(blurry) > _MAX_NAMES else ""
   return (f"dataset {path}: {len(blurry)} of {len(assigned)} files are upscaled more than "
-          f"{MAX_UPSCALE:g}x to fit their bucket ({', '.join(blurry[:_MAX_NAMES])}{more}); "
-          "they will look blurry")
+          f"{MAX_UPSCALE:g}x to fit their bucket ({media.listed(blurry)}); they will look blurry")
+
+
+def takes_videos(encoders) -> bool:
+  """Whether the encoders' family trains on videos; a family of images skips them, as
+  diffusion-pipe does, so that a dataset of both trains an image model on its images."""
+  return encoders.frame_rate is not None
 
 
 def check_frame_buckets(directory: media.DirectorySettings, frames: Sequence[int], encoders):
-  """Every frame bucket is one the encoders take: 1 (images), or 1 + k * `frames_per_latent`."""
+  """Every frame bucket of a video family is one its encoders take: 1 (images), or
+  1 + k * `frames_per_latent`. A family of images leaves the clip lengths empty."""
+  if not takes_videos(encoders):
+    return
   step = encoders.frames_per_latent
-  bad = [f for f in frames if f > 1 and (step is None or (f - 1) % step)]
+  bad = [f for f in frames if f > 1 and (f - 1) % step]
   if bad:
-    allowed = ("1 only: this model takes images, not videos" if step is None else
-               f"1 or 1 + a multiple of {step} (1, {1 + step}, {1 + 2 * step}, ...)")
     raise UserError(f"frame_buckets={list(frames)} for {directory.path}: {bad} cannot be encoded; "
-                    f"frame counts must be {allowed}")
+                    f"frame counts must be 1 or 1 + a multiple of {step} (1, {1 + step}, "
+                    f"{1 + 2 * step}, ...)")
+
+
+def item_buckets(item: media.Item, sizes: dict, frames: Sequence[int], encoders) -> list:
+  """The buckets an item trains in: [] for a video that the family skips or that is shorter
+  than every frame bucket of videos."""
+  if item.kind == "video" and not takes_videos(encoders):
+    return []
+  return buckets.assign(item.width, item.height, media.frames_at_fps(item, encoders.frame_rate),
+                        sizes, frames)
+
+
+def skipped_warning(path: str, assigned: Sequence[tuple], frames: Sequence[int],
+                    encoders) -> Optional[str]:
+  """One warning for the files of a directory that no bucket takes (all videos), saying why,
+  None when there are none. `assigned`: [(Item, [Bucket, ...])]."""
+  skipped = [item for item, bs in assigned if not bs]
+  if not skipped:
+    return None
+  names = [os.path.basename(item.path) for item in skipped]
+  shortest = min((f for f in frames if f > 1), default=None)
+  if not takes_videos(encoders):
+    why = "videos, and this model takes images only"
+  elif shortest is None:
+    why = f"videos, and frame_buckets={list(frames)} has no frame count for them"
+  else:
+    why = (f"videos shorter than the smallest frame bucket of videos ({shortest} frames at "
+           f"{encoders.frame_rate:g} fps)")
+    names = [f"{name} ({media.frames_at_fps(item, encoders.frame_rate)} frames)"
+             for name, item in zip(names, skipped)]
+  return (f"dataset {path}: {len(skipped)} of {len(assigned)} files skipped, {why}: "
+          f"{media.listed(names)}")
+
+
+def bucket_counts(path: str, entries: Sequence[dict]) -> str:
+  """What each bucket of a directory got: its cache entries (one per item, resolution and clip)."""
+  counts = collections.Counter(entry["bucket"] for entry in entries)
+  return (f"dataset {path}: items per bucket (width x height x frames): "
+          + ", ".join(f"{w}x{h}x{f}: {n}" for (w, h, f), n in sorted(counts.items())))
 
 
 def cache_items(directory: media.DirectorySettings, items: Sequence[media.Item], encoders,
-                video_clip_mode="single_beginning"):
-  """One cache entry per (item, bucket, clip): its key covers file content, caption, bucket and,
-  for a video, where the clip starts at the encoders' frame rate."""
+                video_clip_mode="single_beginning") -> tuple:
+  """(entries, warnings): one cache entry per (item, bucket, clip), its key covering file
+  content, caption, bucket and, for a video, where the clip starts at the encoders' frame rate;
+  and a line for each thing the user should know of the directory's files (those no bucket
+  takes, those upscaled to a blur)."""
   sizes, frames = media.directory_buckets(directory, encoders.pixel_multiple)
   check_frame_buckets(directory, frames, encoders)
   fps = encoders.frame_rate
-  assigned = [(item, buckets.assign(item.width, item.height, media.frames_at_fps(item, fps), sizes,
-                                    frames)) for item in items]
-  warning = upscale_warning(directory.path, assigned)
-  if warning:
-    logging.warning(warning)
+  assigned = [(item, item_buckets(item, sizes, frames, encoders)) for item in items]
+  warnings = [w for w in (skipped_warning(directory.path, assigned, frames, encoders),
+                          upscale_warning(directory.path, assigned)) if w]
   entries = []
   for item, bs in assigned:
     # The cache orders a bucket by key: file name first keeps the order stable across edits.
@@ -98,19 +153,28 @@ def cache_items(directory: media.DirectorySettings, items: Sequence[media.Item],
         load = lambda item=item, b=b, start=start: buckets.resize_and_crop(
             media.read_frames(item, fps, b.frames, start), b.width, b.height
         ).astype(np.float32) / 127.5 - 1
-        clip = "" if item.kind == "image" else f"@{start}/{fps or 'source'}fps"
+        clip = "" if item.kind == "image" else f"@{start}/{fps}fps"
         entries.append(dict(key=f"{name}|{b.width}x{b.height}x{b.frames}{clip}|{item.fingerprint()}",
                             caption=item.caption, bucket=tuple(b), load_pixels=load))
-  return entries
+  return entries, warnings
 
 
 def cache_dataset(settings: media.DatasetSettings, model_type: str, encoders, batch_size: int,
                   regenerate=False) -> List[CachedDirectory]:
   """Scans and caches every directory into `<directory>/cache/<model_type>/`, bucket sides
-  multiples of the encoders' `pixel_multiple`, videos at their `frame_rate`."""
+  multiples of the encoders' `pixel_multiple`, videos at their `frame_rate`. Says, once per
+  directory, what each bucket got and which files none takes; a dataset of which no file fits a
+  bucket is an error that says why."""
+  planned = [(directory, *cache_items(directory, items, encoders, settings.video_clip_mode))
+             for directory, items in media.scan_dataset(settings)]
+  if not any(entries for _, entries, _ in planned):
+    raise UserError("no file of the dataset fits a bucket: "
+                    + "; ".join(w for _, _, warnings in planned for w in warnings))
   out = []
-  for directory, items in media.scan_dataset(settings):
-    entries = cache_items(directory, items, encoders, settings.video_clip_mode)
+  for directory, entries, warnings in planned:
+    for warning in warnings:
+      logging.warning(warning)
+    print(bucket_counts(directory.path, entries))
     cache_dir = os.path.join(directory.path, "cache", model_type)
     out.append(CachedDirectory(cache.build_cache(cache_dir, entries, encoders, batch_size, regenerate),
                                directory.num_repeats))

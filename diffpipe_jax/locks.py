@@ -1,12 +1,17 @@
 """Exclusive locks between processes, so that two runs never write the same directory at once.
 
 A lock is `fcntl.flock` on a lock file. The kernel drops it when the holder's file closes, which
-a dying process does even under kill -9, so a lock is never stale and the file is never deleted
-(deleting it would let a waiter lock the old file while a newcomer locks a new one). The holder
-writes its pid and host into the file, so that a process refused or kept waiting can name it.
-flock excludes the processes of one host; between hosts it holds on filesystems that pass it on
-to the server (NFS v4, Lustre mounted with `flock`).
+a dying process does even under kill -9, so a lock is never stale. The holder writes its pid and
+host into the file, so that a process refused or kept waiting can name it, and deletes the file
+as it releases the lock, so that no empty lock file stays behind. Deleting a lock file races with
+a process that opened it just before: that one may then lock the deleted file while a newcomer
+creates and locks a new one, and both would hold "the" lock. So the holder deletes the file while
+it still holds the lock, and a process that has locked a file checks that it is still the one at
+the path, else opens and locks the one there now. A file stays only where its holder was killed;
+the next holder takes it over. flock excludes the processes of one host; between hosts it holds
+on filesystems that pass it on to the server (NFS v4, Lustre mounted with `flock`).
 """
+import contextlib
 import fcntl
 import os
 import socket
@@ -21,20 +26,33 @@ class Lock:
 
   def __init__(self, path, what, wait):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    self.file = open(path, "a+b", buffering=0)  # never truncated on open: the holder's line stays
+    self.path = path
+    while True:
+      self.file = open(path, "a+b", buffering=0)  # never truncated on open: the holder's line stays
+      try:
+        self._lock(what, wait)
+        if self._still_at_path():
+          break
+      except BaseException:
+        self.file.close()
+        raise
+      self.file.close()  # its holder deleted it as it released it: lock the one at the path now
     try:
-      if not self._try_lock():
-        holder = os.pread(self.file.fileno(), 256, 0).decode(errors="replace").strip()
-        holder = holder or "another process"  # it has not written its line yet
-        if not wait:
-          raise UserError(f"{what} is in use by {holder}; wait for it to finish or stop it")
-        print(f"waiting for {what}: {holder} is writing it", flush=True)
-        fcntl.flock(self.file, fcntl.LOCK_EX)
       self.file.truncate(0)
       self.file.write(f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
     except BaseException:
-      self.file.close()
+      self.release()
       raise
+
+  def _lock(self, what, wait):
+    if self._try_lock():
+      return
+    holder = os.pread(self.file.fileno(), 256, 0).decode(errors="replace").strip()
+    holder = holder or "another process"  # it has not written its line yet
+    if not wait:
+      raise UserError(f"{what} is in use by {holder}; wait for it to finish or stop it")
+    print(f"waiting for {what}: {holder} is writing it", flush=True)
+    fcntl.flock(self.file, fcntl.LOCK_EX)
 
   def _try_lock(self) -> bool:
     try:
@@ -43,10 +61,20 @@ class Lock:
     except BlockingIOError:
       return False
 
+  def _still_at_path(self) -> bool:
+    """Whether the file locked is the one at the path (not one its holder deleted)."""
+    try:
+      at_path = os.stat(self.path)
+    except FileNotFoundError:
+      return False
+    locked = os.fstat(self.file.fileno())
+    return (locked.st_dev, locked.st_ino) == (at_path.st_dev, at_path.st_ino)
+
   def release(self):
-    """Frees the lock (closing the file does), leaving the file empty for the next holder."""
+    """Deletes the file, then frees the lock (closing the file does): see the module's doc."""
     if not self.file.closed:
-      self.file.truncate(0)
+      with contextlib.suppress(FileNotFoundError):  # its directory was removed (a failed start)
+        os.remove(self.path)
       self.file.close()
 
   def __enter__(self):

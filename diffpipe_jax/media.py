@@ -131,10 +131,14 @@ def _scan_file(path: str, caption_prefix: str, mask_dir: Optional[str]) -> tuple
   return item, caption is not None, mask is not None
 
 
+def listed(texts: list) -> str:
+  """The first _MAX_NAMES of `texts` (file names, or names with details), and how many more."""
+  more = len(texts) - _MAX_NAMES
+  return ", ".join(texts[:_MAX_NAMES]) + (f" and {more} more" if more > 0 else "")
+
+
 def _names(paths: list) -> str:
-  names = [os.path.basename(p) for p in paths[:_MAX_NAMES]]
-  more = len(paths) - _MAX_NAMES
-  return ", ".join(names) + (f" and {more} more" if more > 0 else "")
+  return listed([os.path.basename(p) for p in paths])
 
 
 def scan_directory(path: str, caption_prefix: str = "", mask_path: Optional[str] = None,

@@ -319,6 +319,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
     cached = cached or cache_datasets(config, family, encoders, regenerate_cache, build=False)
     if sampling_on(config) and prompts is None:
       prompts = encode_sample_prompts(config, family, encoders)  # process 0's, read back
+  config = data.config_as_run(config, data.dataset_settings(config.dataset))
   accum, eval_accum = config.gradient_accumulation_steps, config.eval_gradient_accumulation_steps
   micro = data.micro_batch_sizes(config.micro_batch_size_per_gpu, config.image_micro_batch_size_per_gpu)
   eval_micro = (data.micro_batch_sizes(config.eval_micro_batch_size_per_gpu)
@@ -372,7 +373,11 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
                       f"data now gives {steps_per_epoch}: the dataset or batch settings changed, so "
                       "the run cannot continue where it stopped; start a new run")
     print(f"resumed {run_dir} at step {meta['step']} (epoch {meta['epoch']})")
+    # its epoch's losses so far, so that the epoch's loss is the whole epoch's (a checkpoint of
+    # an earlier version has none: that epoch's loss then averages the steps after the resume)
+    epoch_losses = meta.get("epoch_losses", [])
   else:
+    epoch_losses = []
     existing = None
     if config.adapter.init_from_existing:
       try:
@@ -467,11 +472,12 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
                           np.dtype(jnp.dtype(config.save_dtype)))
       tqdm.write(f"saved LoRA: {saved}")
 
-  def save_checkpoint(step):
+  def save_checkpoint(step, epoch_losses):
     epoch, batch_index = divmod(step, steps_per_epoch)  # where the data continues from
     with space_for(f"checkpoint {checkpoint.STEP_PREFIX}{step} in {run_dir}"):
       ckpt.save(step, to_layers(state), dict(step=step, epoch=epoch, batch_index=batch_index,
-                                             steps_per_epoch=steps_per_epoch))
+                                             steps_per_epoch=steps_per_epoch,
+                                             epoch_losses=epoch_losses))
 
   def placed_batches(start):
     """(bucket, its examples, the global batch on the mesh) of steps `start`, `start + 1`, ...
@@ -486,7 +492,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   # ---------------------------------------------------------------- loop
   key = jax.random.key(config.seed + 1)
   last_checkpoint_time, last_saved_step = time.time(), None
-  epoch_losses, first_losses, warned = [], [], set()
+  first_losses, warned = [], set()
   bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
   upcoming, compiled = placed_batches(step), set()
   stop = StopRequests(on_abort=abort)
@@ -559,7 +565,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
         due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
       stopping = stop.requested()
       if due or stopping or step == total_steps:
-        save_checkpoint(step)
+        save_checkpoint(step, epoch_losses)
         last_checkpoint_time = time.time()
       if stopping:
         raise UserError(f"stopped by {stop.received or 'a signal to another process'} at step "

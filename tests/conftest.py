@@ -2,6 +2,7 @@ import atexit
 import contextlib
 import importlib
 import inspect
+import logging
 import os
 import shutil
 import tempfile
@@ -100,6 +101,19 @@ def tiny_pipelines(tmp_path_factory):
       written[name] = family_lib.torch_side(fam).write_tiny_pipeline(str(tmp_path_factory.mktemp(name)))
     return written[name]
   return get
+
+
+@contextlib.contextmanager
+def transformers_log():
+  """The records transformers logs for its users meanwhile (it writes them to stderr itself)."""
+  records, handler = [], logging.Handler()
+  handler.emit = records.append
+  logger = logging.getLogger("transformers")
+  logger.addHandler(handler)
+  try:
+    yield records
+  finally:
+    logger.removeHandler(handler)
 
 
 def load_encoders(name, pipeline, **options):

@@ -1,6 +1,5 @@
 """Datasets end to end: scan -> buckets -> cache -> bucketed, seeded, resumable batches."""
 import glob
-import logging
 import os
 import re
 import subprocess
@@ -46,8 +45,13 @@ def cached(folder, encoders, **settings):
   return data.cache_dataset(s, "test", encoders, batch_size=4)
 
 
-def test_batches_are_bucketed_seeded_and_resumable(tmp_path, family, encoders):
-  dirs = cached(tiny.write_image_dataset(str(tmp_path / "img")), encoders)
+def test_batches_are_bucketed_seeded_and_resumable(tmp_path, family, encoders, capsys):
+  folder = tiny.write_image_dataset(str(tmp_path / "img"))
+  dirs = cached(folder, encoders)
+  # what each bucket got, said once
+  assert re.findall(rf"dataset {folder}: items per bucket \(width x height x frames\): (.*)",
+                    capsys.readouterr().out) == [", ".join(f"{w}x{h}x1: 4" for (w, h, _), _ in
+                                                            sorted(dirs[0].cache.buckets()))]
   batches = data.Batches(dirs, 2, seed=0, position_ids=family.position_ids)
   assert sorted(n for _, n in dirs[0].cache.buckets()) == [4, 4, 4]  # three aspect buckets
   assert batches.steps_per_epoch == 6
@@ -148,21 +152,17 @@ def test_cache_only_with_a_diffusion_pipe_toml(tmp_path, name):
   assert len(glob.glob(str(tmp_path / "out" / ".sample_prompts" / "*.npz"))) == 1
 
 
-def test_tiny_images_are_warned_about_once_per_directory(tmp_path, caplog):
+def test_tiny_images_are_warned_about_once_per_directory(tmp_path):
   folder = tiny.write_image_dataset(str(tmp_path / "img"), num_images=4)
   Image.new("RGB", (1, 1), "red").save(os.path.join(folder, "dot.png"))
   Image.new("RGB", (16, 16), "red").save(os.path.join(folder, "small.png"))  # exactly 2x: fine
   s = media.settings_from_dict(dict(path=folder, resolutions=(32,)))
   ((directory, items),) = media.scan_dataset(s)
-  with caplog.at_level(logging.WARNING):
-    entries = data.cache_items(directory, items, IMAGE_ENCODERS)
+  entries, warnings = data.cache_items(directory, items, IMAGE_ENCODERS)
   assert len(entries) == 6
-  (warning,) = [r.getMessage() for r in caplog.records if "upscaled" in r.getMessage()]
-  assert warning == (f"dataset {folder}: 1 of 6 files are upscaled more than 2x to fit their "
-                     "bucket (dot.png 1x1 -> 32x32); they will look blurry")
-  caplog.clear()
-  data.cache_items(directory, [i for i in items if "dot" not in i.path], IMAGE_ENCODERS)
-  assert "upscaled" not in caplog.text
+  assert warnings == [f"dataset {folder}: 1 of 6 files are upscaled more than 2x to fit their "
+                      "bucket (dot.png 1x1 -> 32x32); they will look blurry"]
+  assert data.cache_items(directory, [i for i in items if "dot" not in i.path], IMAGE_ENCODERS)[1] == []
 
 
 @pytest.mark.parametrize("mode,starts", [("single_beginning", [0]), ("single_middle", [1]),
@@ -173,7 +173,7 @@ def test_video_clips_at_the_model_frame_rate(tmp_path, mode, starts):
   test_media.write_grey_ramp_video(tmp_path / "clip.mp4", frames=24, fps=24)
   s = media.settings_from_dict(dict(path=str(tmp_path), resolutions=(32,), frame_buckets=(1, 5, 9)))
   ((directory, items),) = media.scan_dataset(s)
-  entries = data.cache_items(directory, items, VIDEO_ENCODERS, mode)
+  entries, _ = data.cache_items(directory, items, VIDEO_ENCODERS, mode)
   assert [e["key"].split("|")[1] for e in entries] == [f"48x32x9@{k}/12fps" for k in starts]
   for entry, start in zip(entries, starts):
     frames = (entry["load_pixels"]() + 1) * 127.5
@@ -182,13 +182,58 @@ def test_video_clips_at_the_model_frame_rate(tmp_path, mode, starts):
 
 def test_frame_buckets_the_model_cannot_encode_are_errors(tmp_path):
   folder = tiny.write_image_dataset(str(tmp_path / "img"), num_images=1)
-  for encoders, frames, allowed in ((VIDEO_ENCODERS, (1, 6, 9), "1 or 1 + a multiple of 4"),
-                                    (IMAGE_ENCODERS, (1, 5), "1 only: this model takes images")):
-    s = media.settings_from_dict(dict(path=folder, resolutions=(32,), frame_buckets=frames))
-    ((directory, items),) = media.scan_dataset(s)
-    with pytest.raises(UserError, match=rf"^frame_buckets=\[1, {frames[1]}.*: \[{frames[1]}\] "
-                                        "cannot be encoded; frame counts must be " + re.escape(allowed)):
-      data.cache_items(directory, items, encoders)
+  s = media.settings_from_dict(dict(path=folder, resolutions=(32,), frame_buckets=(1, 6, 9)))
+  ((directory, items),) = media.scan_dataset(s)
+  with pytest.raises(UserError, match=r"^frame_buckets=\[1, 6, 9\] for .*: \[6\] cannot be encoded; "
+                                      r"frame counts must be 1 or 1 \+ a multiple of 4"):
+    data.cache_items(directory, items, VIDEO_ENCODERS)
+
+
+def short_clip_and_images(folder):
+  """Two images and a 24-frame 24 fps clip: 12 frames at the video model's 12 fps."""
+  tiny.write_image_dataset(folder, num_images=2, sizes=((32, 32),))
+  test_media.write_grey_ramp_video(os.path.join(folder, "clip.mp4"), frames=24, fps=24)
+  return folder
+
+
+def test_an_image_model_skips_the_videos_of_diffusion_pipes_example_dataset(tmp_path):
+  """Its frame_buckets = [1, 33] and a folder of images and videos: the images train, the
+  videos are skipped, as diffusion-pipe skips them for an image model, in one line."""
+  folder = short_clip_and_images(str(tmp_path / "media"))
+  s = media.settings_from_dict(dict(path=folder, resolutions=(32,), frame_buckets=(1, 33)))
+  ((directory, items),) = media.scan_dataset(s)
+  entries, warnings = data.cache_items(directory, items, IMAGE_ENCODERS)
+  assert [e["key"].split("|")[:2] for e in entries] == [["000.png", "32x32x1"], ["001.png", "32x32x1"]]
+  assert warnings == [f"dataset {folder}: 1 of 3 files skipped, videos, and this model takes "
+                      "images only: clip.mp4"]
+
+
+def test_videos_shorter_than_every_frame_bucket_are_named_and_each_bucket_counted(tmp_path):
+  folder = short_clip_and_images(str(tmp_path / "media"))
+  s = media.settings_from_dict(dict(path=folder, resolutions=(32,), frame_buckets=(1, 17)))
+  ((directory, items),) = media.scan_dataset(s)
+  entries, warnings = data.cache_items(directory, items, VIDEO_ENCODERS)
+  assert warnings == [f"dataset {folder}: 1 of 3 files skipped, videos shorter than the smallest "
+                      "frame bucket of videos (17 frames at 12 fps): clip.mp4 (12 frames)"]
+  assert data.bucket_counts(folder, entries) == (
+      f"dataset {folder}: items per bucket (width x height x frames): 32x32x1: 2")
+  s = media.settings_from_dict(dict(path=folder, resolutions=(32,)))  # no frame bucket of videos
+  ((directory, items),) = media.scan_dataset(s)
+  assert data.cache_items(directory, items, VIDEO_ENCODERS)[1] == [
+      f"dataset {folder}: 1 of 3 files skipped, videos, and frame_buckets=[1] has no frame count "
+      "for them: clip.mp4"]
+
+
+def test_a_dataset_where_no_file_fits_a_bucket_is_an_error_that_says_why(tmp_path):
+  folder = str(tmp_path / "clips")
+  os.makedirs(folder)
+  test_media.write_grey_ramp_video(os.path.join(folder, "clip.mp4"), frames=24, fps=24)
+  s = media.settings_from_dict(dict(path=folder, resolutions=(32,), frame_buckets=(1, 17)))
+  with pytest.raises(UserError, match=re.escape(
+      f"no file of the dataset fits a bucket: dataset {folder}: 1 of 1 files skipped, videos "
+      "shorter than the smallest frame bucket of videos (17 frames at 12 fps): clip.mp4 (12 frames)")):
+    data.cache_dataset(s, "test", VIDEO_ENCODERS, batch_size=1)
+  assert not os.path.exists(os.path.join(folder, "cache"))
 
 
 def test_settings_we_cannot_honour_are_errors(tmp_path):

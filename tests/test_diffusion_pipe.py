@@ -196,7 +196,8 @@ def test_flux_training_toml_runs_as_is(tmp_path, tiny_pipelines):
   dropout."""
   images, eval_images = tiny.write_image_dataset(str(tmp_path / "images")), tiny.write_image_dataset(
       str(tmp_path / "eval_images"), sizes=((40, 40),), num_images=4)
-  write_dataset_toml(tmp_path, images, 32)
+  tiny.write_video_dataset(images, clips=tiny.VIDEO_CLIPS[:1], image_sizes=())
+  write_dataset_toml(tmp_path, images, 32, frame_buckets=(1, 33))  # as diffusion-pipe's example
   write_dataset_toml(tmp_path, eval_images, 32, name="eval.toml", ar_buckets=False)
   toml = write_training_toml(tmp_path, pipeline=tiny_pipelines("flux"), top="""
 eval_datasets = [{name = 'held_out', config = 'eval.toml'}]
@@ -214,7 +215,12 @@ x_axis_examples = true
   assert done.returncode == 0, done.stdout
   assert done.stdout.count("keys with no effect here: partition_method") == 1, done.stdout
   assert "global batches [4]; 3 steps an epoch" in done.stdout  # 12 images: 3 buckets of 4
+  assert (f"dataset {images}: 1 of 13 files skipped, videos, and this model takes images only: "
+          "clip000.mp4") in done.stdout, done.stdout  # Flux trains on the images
   (run,) = glob.glob(str(tmp_path / "out" / "*"))
+  with open(os.path.join(run, "config.json")) as f:  # the dataset TOML's settings, not ours
+    dataset = json.load(f)["dataset"]
+  assert (dataset["resolutions"], dataset["frame_buckets"]) == ([32], [1, 33]), dataset
   assert sorted(n for n in os.listdir(run) if not n.startswith((".", "events."))) == [
       "config.json", "global_step3", "global_step6", "metrics.jsonl", "step2", "step4", "step6"]
   assert [(m["step"], m["examples"]) for m in metrics(run) if "held_out/loss" in m] == [

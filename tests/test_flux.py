@@ -10,7 +10,7 @@ import torch
 
 import test_cache
 import test_data
-from conftest import load_encoders
+from conftest import load_encoders, transformers_log
 from diffpipe_jax import cache, data, lora, media, models, tiny
 from diffpipe_jax.convert import table
 from diffpipe_jax.encoders import flux as flux_torch
@@ -170,9 +170,22 @@ def test_cached_dataset_latents_equal_a_direct_vae_encode(tmp_path, encoders, pi
   (item,) = media.scan_directory(folder)
   frames = data.cache_items(media.DirectorySettings(path=folder, resolutions=(32,), enable_ar_bucket=True,
                                                     min_ar=0.5, max_ar=2.0, num_ar_buckets=7,
-                                                    frame_buckets=(1,)), [item], encoders)[0]["load_pixels"]()
+                                                    frame_buckets=(1,)), [item], encoders)[0][0]["load_pixels"]()
   with torch.no_grad():
     z = vae.encode(torch.from_numpy(frames[0]).permute(2, 0, 1)[None]).latent_dist.mean
   z = (z - vae.config.shift_factor) * vae.config.scaling_factor
   packed = FluxPipeline._pack_latents(z, 1, z.shape[1], z.shape[2], z.shape[3]).numpy()[0]
   np.testing.assert_allclose(d.cache.get(bucket, 0)["latents"], packed, rtol=1e-4, atol=1e-5)
+
+
+def test_transformers_torchvision_fallback_is_not_shown(monkeypatch):
+  """Importing diffusers' FluxPipeline (writing the tiny pipeline does) makes transformers warn
+  that its image processors fall back to PIL without torchvision: no family uses one, and the
+  torch side keeps the warning from the user."""
+  import transformers
+  from transformers.utils import logging as transformers_logging
+  monkeypatch.delattr(transformers, "CLIPImageProcessor", raising=False)  # as if never imported
+  transformers_logging.warning_once.cache_clear()
+  with transformers_log() as records:
+    transformers.CLIPImageProcessor  # what `from transformers import CLIPImageProcessor` does
+  assert not [r.getMessage() for r in records if "torchvision" in r.getMessage()]

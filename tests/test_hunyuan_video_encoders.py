@@ -3,6 +3,8 @@ HunyuanVideoPipeline's own (its VAE, frame-wise encoding included; `encode_promp
 image and video templates), and Tencent's folder and ComfyUI's files give the same encoders as
 the diffusers folder."""
 import json
+import os
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,7 +14,7 @@ from diffusers import HunyuanVideoPipeline
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 from safetensors.numpy import load_file
 
-from conftest import load_encoders
+from conftest import load_encoders, transformers_log
 from diffpipe_jax import cache, data, tiny
 from diffpipe_jax.convert.tensorfile import write_safetensors
 from diffpipe_jax.encoders import hunyuan_video
@@ -179,16 +181,47 @@ def test_tencents_folder_gives_the_diffusers_folders_encoders(ckpts, encoders):
   assert official.sources["vae"] == f"{ckpts}/hunyuan-video-t2v-720p/vae"
   assert official.vae_config["block_out_channels"] == [32, 32, 64, 64]  # Tencent's config.json
   assert official.identity() != encoders.identity()  # its files are part of the fingerprint
-  assert_same_encoders(official, encoders)
+  with transformers_log() as records:
+    assert_same_encoders(official, encoders)
+  # the LLaMA's head and CLIP's vision tower, which Tencent's folders hold, are not reported
+  assert not [r.getMessage() for r in records if "LOAD REPORT" in r.getMessage()]
 
 
-def test_comfyuis_files_give_the_diffusers_folders_encoders(ckpts, comfyui_vae, pipe, encoders):
-  comfyui = HunyuanVideoEncoders.load(vae_path=comfyui_vae, llm_path=f"{ckpts}/text_encoder",
+def test_a_missing_or_unknown_text_encoder_tensor_is_still_reported(ckpts, tmp_path):
+  clip = shutil.copytree(f"{ckpts}/text_encoder_2", tmp_path / "clip")
+  tensors = load_file(clip / "model.safetensors")
+  del tensors["text_model.final_layer_norm.bias"]
+  write_safetensors({**tensors, "text_model.surprise": np.zeros(1, np.float32)},
+                    str(clip / "model.safetensors"))
+  with transformers_log() as records:
+    HunyuanVideoEncoders.load(ckpt_path=ckpts, clip_path=str(clip), device="cpu").clip
+  (report,) = [r.getMessage() for r in records if "LOAD REPORT" in r.getMessage()]
+  assert "final_layer_norm.bias" in report and "MISSING" in report
+  assert "surprise" in report and "UNEXPECTED" in report
+  assert "vision_model" not in report
+
+
+def tencents_vae(ckpts):
+  return f"{ckpts}/{hunyuan_video.OFFICIAL_VAE}/{hunyuan_video.OFFICIAL_VAE_WEIGHTS}"
+
+
+@pytest.mark.parametrize("vae_file", ["comfyui", "tencent"])
+def test_comfyuis_files_give_the_diffusers_folders_encoders(ckpts, comfyui_vae, pipe, encoders, vae_file,
+                                                           capsys):
+  """ComfyUI's VAE file, or Tencent's pytorch_model.pt given alone as vae_path; each load says
+  what it loads from where."""
+  vae = comfyui_vae if vae_file == "comfyui" else tencents_vae(ckpts)
+  comfyui = HunyuanVideoEncoders.load(vae_path=vae, llm_path=f"{ckpts}/text_encoder",
                                       clip_path=f"{ckpts}/text_encoder_2", device="cpu")
   read = json.loads(json.dumps(comfyui.vae_config))  # from the file's shapes; tuples as lists
   assert read == {key: pipe.vae.config[key] for key in read}
-  assert comfyui.component_files("vae") == [comfyui_vae]
+  assert comfyui.component_files("vae") == [vae]
+  encoders.vae, encoders.llm  # loaded before what this test prints
+  capsys.readouterr()
   assert_same_encoders(comfyui, encoders)
+  assert capsys.readouterr().out.splitlines() == [
+      f"loading the VAE from {vae} (cpu)",
+      f"loading the text encoders from {ckpts}/text_encoder, {ckpts}/text_encoder_2 (cpu)"]
 
 
 def test_comfyuis_files_then_tencents_folder_win(pipeline, ckpts, comfyui_vae):
@@ -221,6 +254,12 @@ def test_missing_components_name_the_keys_to_set(pipeline, comfyui_vae, tmp_path
   write_safetensors({"x": np.zeros(2, np.float32)}, str(tmp_path / "x.safetensors"))
   with pytest.raises(UserError, match="is not a HunyuanVideo VAE \\(it has no 'encoder.conv_in"):
     HunyuanVideoEncoders.load(diffusers_path=pipeline, vae_path=str(tmp_path / "x.safetensors"))
+  for intact, message in ((comfyui_vae, "is truncated: its header describes"),
+                          (tencents_vae(f"{pipeline}/ckpts"), "is not a readable torch checkpoint")):
+    cut = tmp_path / os.path.basename(intact)  # a download cut in half
+    cut.write_bytes(open(intact, "rb").read()[:os.path.getsize(intact) // 2])
+    with pytest.raises(UserError, match=message):
+      HunyuanVideoEncoders.load(diffusers_path=pipeline, vae_path=str(cut))
 
 
 def test_the_transformer_layouts_hold_the_same_tensors(tmp_path):

@@ -1,8 +1,10 @@
 """Locks between real processes (this file, run as a script, is the other process): a run
 directory in use refuses a second trainer, naming it, until the holder ends, even killed; a lock
-taken `waiting` says whom it waits for and proceeds once released; two runs caching one new
-dataset at once both succeed, encoding each item once."""
+taken `waiting` says whom it waits for and proceeds once released; a released lock leaves no
+file and still excludes; two runs caching one new dataset at once both succeed, encoding each
+item once."""
 import json
+import os
 import re
 import select
 import socket
@@ -58,6 +60,7 @@ def test_a_run_dir_in_use_is_refused_until_its_holder_ends(tmp_path, start, end)
   holder.wait(timeout=30)
   with checkpoint.lock_run_dir(run_dir):
     assert checkpoint.complete_steps(run_dir) == checkpoint.incomplete_checkpoints(run_dir) == []
+  assert os.listdir(run_dir) == []  # no empty .lock left behind
 
 
 def test_waiting_names_the_holder_then_proceeds_once_it_releases(tmp_path, start):
@@ -72,6 +75,22 @@ def test_waiting_names_the_holder_then_proceeds_once_it_releases(tmp_path, start
   assert log.read_text().split() == ["released", "acquired"]
 
 
+def test_a_released_lock_leaves_no_file_and_still_excludes(tmp_path, start):
+  """The holder deletes the file as it releases the lock; a process that was waiting on it then
+  locks the file at the path anew, so that a newcomer is still refused."""
+  path, log = tmp_path / "x.lock", tmp_path / "log"
+  holder = start("hold", path, log)
+  assert first_line(holder) == "held\n"
+  waiter = start("hold", path, log, "waiting")  # it opened the file its holder will delete
+  assert first_line(waiter).startswith(f"waiting for x: pid {holder.pid}")
+  holder.stdin.close()
+  assert first_line(waiter) == "held\n"
+  with pytest.raises(UserError, match=f"x is in use by pid {waiter.pid} "):
+    locks.hold(path, what="x")
+  waiter.stdin.close()
+  assert waiter.wait(timeout=30) == 0 and not path.exists()
+
+
 def test_two_runs_caching_one_new_dataset_at_once_encode_it_once(tmp_path, start):
   cache_dir, log = tmp_path / "data" / "cache" / "model", tmp_path / "encoded"
   runs = [start("cache", cache_dir, log) for _ in range(2)]
@@ -80,7 +99,7 @@ def test_two_runs_caching_one_new_dataset_at_once_encode_it_once(tmp_path, start
   assert len(log.read_text().split()) == ITEMS
   assert sorted(len(out) for out in outputs) == [1, 2], outputs  # one waited: they overlapped
   assert outputs[0][-1] == outputs[1][-1]  # the same manifest (shards) and contents
-  assert sorted(p.name for p in cache_dir.parent.iterdir()) == ["model", "model.lock"]
+  assert sorted(p.name for p in cache_dir.parent.iterdir()) == ["model"]
 
 
 class SlowEncoders:
@@ -109,9 +128,10 @@ class SlowEncoders:
     return []
 
 
-def hold(path, log):
-  """Holds the lock until stdin closes, then logs `released` and releases it."""
-  with locks.hold(path, what="x"):
+def hold(path, log, how="hold"):
+  """Holds the lock (taken at once, or after waiting: `how` "waiting") until stdin closes, then
+  logs `released` and releases it."""
+  with getattr(locks, how)(path, what="x"):
     print("held", flush=True)
     sys.stdin.read()
     with open(log, "a") as f:

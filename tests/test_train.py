@@ -146,6 +146,10 @@ def read_metrics(run_dir, tag="train/loss"):
     return [m for m in map(json.loads, f) if tag in m]
 
 
+def epoch_losses(run_dir):
+  return [m["train/epoch_loss"] for m in read_metrics(run_dir, "train/epoch_loss")]
+
+
 def swap_message(fam, path, blocks):
   """What a run prints when `blocks` blocks' weights are swapped to host memory."""
   swap = sharding.swapped_layers(fam.stacks(models.checkpoint_config(fam.type, path)), blocks)
@@ -265,6 +269,8 @@ def test_resume_gives_the_same_run(tmp_path, monkeypatch, name):
   losses_b = [m["train/loss"] for m in read_metrics(run_b)]
   assert len(losses_a) == len(losses_b) == 12
   np.testing.assert_allclose(losses_b, losses_a, rtol=1e-5)
+  # the epoch resumed in its middle (at step 5 of 4-6) averages all its steps
+  np.testing.assert_allclose(epoch_losses(run_b), epoch_losses(run_a), rtol=1e-5)
   final_a = load_file(os.path.join(run_a, "epoch4", lora.WEIGHTS_NAME))
   final_b = load_file(os.path.join(run_b, "epoch4", lora.WEIGHTS_NAME))
   # Swapping runs the blocks as a program of its own, whose rounding AdamW amplifies where a
@@ -372,6 +378,24 @@ def test_a_resumed_start_counts_the_examples_seen_once(tmp_path, monkeypatch, na
   config.max_steps = 3
   train.run(config, resume="latest")
   assert counted == [2]
+
+
+def test_readme_shows_the_lines_of_metrics_jsonl(tmp_path, monkeypatch, name=MACHINERY_FAMILY):
+  """README's example of metrics.jsonl: each kind of line the trainer writes (a step's, an
+  epoch's, an eval's), its keys in order (values elided, an eval's quantiles cut short)."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(train, "make_step", fake_step(loss=1.0, grad_norm=1.0))
+  monkeypatch.setattr(train, "make_eval", lambda *args: lambda *a: np.ones(len(update.EVAL_QUANTILES)))
+  run = train.run(tiny_config(name, output_dir=str(tmp_path / "out"), eval_before_first_step=False,
+                              max_steps=3))  # an epoch
+  with open(os.path.join(run, "metrics.jsonl")) as f:
+    written = {tuple(json.loads(line)) for line in f}
+  with open(os.path.join(ROOT, "README.md")) as f:
+    examples = re.findall(r'`(\{"step".*?\})`', " ".join(f.read().split()))
+  shown = {tuple(re.findall(r'"([^"]+)":', example)) for example in examples}
+  assert len(written) == len(shown) == 3, (written, shown)
+  assert all(any(keys[:len(s)] == s for s in shown) for keys in written), (written, shown)
+  assert all(any(keys[:len(s)] == s for keys in written) for s in shown), (written, shown)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -688,6 +712,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes_exa
   (reference,) = glob.glob(str(tmp_path / "ref" / "*"))
   np.testing.assert_allclose([m["train/loss"] for m in read_metrics(run)],
                              [m["train/loss"] for m in read_metrics(reference)], rtol=1e-5)
+  np.testing.assert_allclose(epoch_losses(run), epoch_losses(reference), rtol=1e-5)
 
 
 def test_a_second_ctrl_c_aborts_at_once_in_one_line_naming_the_last_good_checkpoint(

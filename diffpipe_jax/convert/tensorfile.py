@@ -23,6 +23,11 @@ DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "BOOL": np.bool_,
 }
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit: a longer "header" is another format
+TORCH_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+# What torch pickles keep their state dict under: Tencent's transformer file `module`, and
+# `state_dict` the VAE files its loader takes
+STATE_DICT_WRAPPERS = ("module", "state_dict")
 
 
 class CheckpointError(UserError):
@@ -44,9 +49,12 @@ def read_header_and_metadata(path: str) -> Tuple[dict, int, dict]:
     if len(head) < 8:
       raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)")
     (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES:
+      raise CheckpointError(f"{path} is not a safetensors file (its first bytes are no "
+                            "safetensors header)")
     if n > size - 8:
-      raise CheckpointError(f"{path} is truncated or not a safetensors file: its header claims "
-                            f"{n} bytes but the file holds {size}; copy or download it again")
+      raise CheckpointError(f"{path} is truncated: its header claims {n} bytes but the file "
+                            f"holds {size}; copy or download it again")
     try:
       header = json.loads(f.read(n))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -102,21 +110,30 @@ class TensorFiles:
     return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
+def torch_state_dict(path: str) -> dict:
+  """The torch tensors of a torch pickle (a `STATE_DICT_WRAPPERS` wrapper taken off), read as
+  torch loads it safely: `weights_only=True` (no code runs from the file) and memory-mapped
+  (`mmap=True`: nothing is read until a tensor is used)."""
+  import torch
+  try:
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+  except (RuntimeError, EOFError, ValueError) as e:  # torch's own for a bad or truncated file
+    raise CheckpointError(f"{path} is not a readable torch checkpoint ({_first_line(e)}); copy "
+                          "or download it again, or give the .safetensors layout") from None
+  if isinstance(state, dict):
+    state = next((state[w] for w in STATE_DICT_WRAPPERS if w in state), state)
+  if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+    raise CheckpointError(f"{path} holds no state dict of tensors (at its top, or under "
+                          f"{' or '.join(map(repr, STATE_DICT_WRAPPERS))})")
+  return state
+
+
 class TorchFiles:
   """`TensorFiles` over a torch pickle (Tencent's `mp_rank_00_model_states.pt`: the weights
-  under `module`), read as torch loads it safely: `weights_only=True` (no code runs from the
-  file) and memory-mapped (`mmap=True`: nothing is read until a tensor is converted)."""
+  under `module`), read by `torch_state_dict`."""
 
   def __init__(self, path: str, strip_prefix: str = "", skip: Tuple[str, ...] = ()):
-    import torch
-    try:
-      state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, EOFError, ValueError) as e:  # torch's own for a bad or truncated file
-      raise CheckpointError(f"{path} is not a readable torch checkpoint ({_first_line(e)}); copy "
-                            "or download it again, or give the .safetensors layout") from None
-    state = state.get("module", state) if isinstance(state, dict) else state
-    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-      raise CheckpointError(f"{path} holds no state dict of tensors (expected them under `module`)")
+    state = torch_state_dict(path)
     self._tensors = {(k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k): v
                      for k, v in state.items() if not k.startswith(skip)}
     self.metadata: Dict[str, str] = {}
@@ -156,7 +173,7 @@ def _torch_views():
 
 def open_tensor_file(path: str, strip_prefix: str = "", skip: Tuple[str, ...] = ()):
   """A single checkpoint file's tensors: safetensors, or a torch pickle (.pt, .pth, .bin)."""
-  if path.endswith((".pt", ".pth", ".bin", ".ckpt")):
+  if path.endswith(TORCH_PICKLE_SUFFIXES):
     return TorchFiles(path, strip_prefix, skip)
   return TensorFiles([path], strip_prefix, skip)
 

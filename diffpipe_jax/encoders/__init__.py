@@ -4,9 +4,16 @@ dataset or write tiny models, so that training never imports torch."""
 import contextlib
 import hashlib
 import json
+import logging
 import os
 
 from tqdm import tqdm
+
+# transformers warns, once diffusers' pipeline modules import its image processors, that they
+# fall back to PIL without torchvision: no family uses an image processor, so it says nothing
+TORCHVISION_FALLBACK = "requires torchvision (not installed); falling back to"
+logging.getLogger("transformers.utils.import_utils").addFilter(
+    lambda record: TORCHVISION_FALLBACK not in record.getMessage())
 
 
 def default_device():
@@ -70,9 +77,12 @@ class Encoders:
 
   def __getattr__(self, name):  # only reached while a component is not loaded yet
     if name in {attr for attr, _ in self.components.values()}:
-      # above any open bar (the cache's, when it is the first use), not on its line
       what = "VAE" if name == "vae" else "text encoders"
-      tqdm.write(f"loading the {what} from {self.path} ({self.device})")
+      loading = [sub for sub, (attr, _) in self.components.items()
+                 if (attr == "vae") == (name == "vae")]
+      sources = ", ".join(dict.fromkeys(map(self.component_source, loading)))
+      # above any open bar (the cache's, when it is the first use), not on its line
+      tqdm.write(f"loading the {what} from {sources} ({self.device})")
       with library_bars_off():
         if name == "vae":  # alone: decoding samples needs nothing else
           self.vae = self.load_vae().to(self.device).eval()
@@ -90,9 +100,14 @@ class Encoders:
       parts.append(f"{sub}={class_name}:{files_digest(self.component_files(sub))}")
     return "|".join(parts)
 
+  def component_source(self, sub) -> str:
+    """The folder or file a component loads from: its diffusers subfolder."""
+    return os.path.join(self.path, sub)
+
   def component_files(self, sub):
-    """The files a component loads from: its diffusers subfolder's."""
-    return folder_files(os.path.join(self.path, sub))
+    """The files a component loads from: its source's."""
+    source = self.component_source(sub)
+    return folder_files(source) if os.path.isdir(source) else [source]
 
   def config(self, sub) -> dict:
     """A component's config.json, read without loading the model."""

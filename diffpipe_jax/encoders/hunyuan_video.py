@@ -3,14 +3,17 @@ hidden states in Tencent's prompt templates with their mask; CLIP-L pooled outpu
 random pipeline and checkpoints for tests and the embedded default, built with the real diffusers
 and transformers classes and saved in the real on-disk layouts: a diffusers folder, Tencent's
 official `ckpts/` folder, and ComfyUI's single files."""
+import contextlib
 import json
 import os
+from unittest import mock
 
 import numpy as np
 
 from diffpipe_jax import tiny
-from diffpipe_jax.convert.tensorfile import common_prefix, read_header, write_safetensors
-from diffpipe_jax.encoders import Encoders, default_device, folder_files
+from diffpipe_jax.convert.tensorfile import (TORCH_PICKLE_SUFFIXES, common_prefix, open_tensor_file,
+                                             torch_state_dict, write_safetensors)
+from diffpipe_jax.encoders import Encoders, default_device
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import TorchSide
 from diffpipe_jax.models.hunyuan_video import FAMILY, OFFICIAL_FILE, OFFICIAL_MODEL
@@ -32,6 +35,13 @@ VIDEO_TEMPLATE = (
     "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>")
 SKIPPED_LAYERS = 2  # the text embeddings are the LLaMA's hidden states before its last two layers
 CLIP_TOKENS = 77
+# What Tencent's text encoder folders hold beside what is used (patterns of tensor names): the
+# LLaVA language model's head (`text_encoder/` is a LlamaForCausalLM) and CLIP's vision tower and
+# projections (`text_encoder_2/` is the whole CLIP-L). They are left out without a word; any
+# other unexpected or missing tensor is still reported.
+UNUSED_TENSORS = {"LlamaModel": (r"^lm_head\.",),
+                  "CLIPTextModel": (r"^vision_model\.", r"^visual_projection\.",
+                                    r"^text_projection\.", r"^logit_scale$")}
 
 # Tencent's official folder (diffusion-pipe's model.ckpt_path), relative to it.
 OFFICIAL_TRANSFORMER = f"{OFFICIAL_MODEL}/{OFFICIAL_FILE}"
@@ -51,7 +61,8 @@ SOURCES = {
     "text_encoder_2": (("clip_path", ""), ("ckpt_path", "text_encoder_2"),
                        ("diffusers_path", "text_encoder_2")),
 }
-WHAT = {"vae_path": "a ComfyUI HunyuanVideo VAE .safetensors file",
+WHAT = {"vae_path": (f"a HunyuanVideo VAE file: ComfyUI's .safetensors, or Tencent's "
+                     f"{OFFICIAL_VAE}/{OFFICIAL_VAE_WEIGHTS}"),
         "llm_path": "the LLaMA text encoder folder with its tokenizer",
         "clip_path": "the CLIP-L text encoder folder with its tokenizer",
         "ckpt_path": f"Tencent's folder with {OFFICIAL_MODEL}/vae, text_encoder and text_encoder_2",
@@ -108,8 +119,9 @@ class HunyuanVideoEncoders(Encoders):
 
   def load_text_encoders(self):
     from transformers import CLIPTextModel, CLIPTokenizer, LlamaModel, PreTrainedTokenizerFast
-    model = lambda cls, sub: cls.from_pretrained(self.sources[sub], dtype=self.dtype).to(
-        self.device).eval()
+    def model(cls, sub):
+      with quiet_about_unused(cls):
+        return cls.from_pretrained(self.sources[sub], dtype=self.dtype).to(self.device).eval()
     # the tokenizer.json as written: transformers 5's LlamaTokenizerFast rebuilds a
     # sentencepiece-style pipeline that mangles LLaMA-3's byte-level tokens
     self.tokenizer = PreTrainedTokenizerFast.from_pretrained(self.sources["tokenizer"],
@@ -118,9 +130,8 @@ class HunyuanVideoEncoders(Encoders):
     self.clip_tokenizer = CLIPTokenizer.from_pretrained(self.sources["tokenizer_2"])
     self.clip = model(CLIPTextModel, "text_encoder_2")
 
-  def component_files(self, sub):
-    source = self.sources[sub]
-    return folder_files(source) if os.path.isdir(source) else [source]
+  def component_source(self, sub):
+    return self.sources[sub]
 
   @property
   def spatial_factor(self):
@@ -213,6 +224,17 @@ class HunyuanVideoEncoders(Encoders):
                          f"{limit}", self.clip_tokenizer, captions, CLIP_TOKENS)
 
 
+@contextlib.contextmanager
+def quiet_about_unused(cls):
+  """While it lasts, `cls` (a transformers model class) loads without reporting its
+  `UNUSED_TENSORS`: transformers' load report leaves out the names a class lists as ignorable.
+  (A subclass saying so would be custom code to transformers, which then skips the renames that
+  load a whole CLIP's text tower.)"""
+  ignored = [*(cls._keys_to_ignore_on_load_unexpected or ()), *UNUSED_TENSORS[cls.__name__]]
+  with mock.patch.object(cls, "_keys_to_ignore_on_load_unexpected", ignored):
+    yield
+
+
 def crop_start(tokenizer, template):
   """The number of tokens before the caption in `template` (`<|begin_of_text|>` included): the
   hidden states HunyuanVideo crops off. Measured rather than hard-coded, so that any LLaMA-3
@@ -297,11 +319,11 @@ def vae_config_from_shapes(shapes, path):
 
 def read_vae_config(source):
   """The VAE's config without loading it: a diffusers folder's config.json, Tencent's mapped, or
-  a ComfyUI file's shapes."""
+  a file's shapes (ComfyUI's, or Tencent's pytorch_model.pt given alone)."""
   if os.path.isfile(source):
-    header, _ = read_header(source)
-    prefix = common_prefix(header, ("vae.",))
-    return vae_config_from_shapes({k[len(prefix):]: e["shape"] for k, e in header.items()}, source)
+    shapes = open_tensor_file(source).shapes()
+    prefix = common_prefix(shapes, ("vae.",))
+    return vae_config_from_shapes({k[len(prefix):]: shape for k, shape in shapes.items()}, source)
   with open(os.path.join(source, "config.json")) as f:
     config = json.load(f)
   return (vae_config_from_tencent(config)
@@ -309,16 +331,12 @@ def read_vae_config(source):
 
 
 def vae_tensors(source):
-  """A ComfyUI file's or Tencent's VAE tensors; as Tencent's loader does, a `state_dict`
-  wrapper and a `vae.` prefix are taken off."""
-  import torch
+  """The VAE tensors of a file (ComfyUI's safetensors, Tencent's pytorch_model.pt) or of
+  Tencent's folder; as Tencent's loader does, a `state_dict` wrapper and a `vae.` prefix are
+  taken off."""
   from safetensors.torch import load_file
-  if os.path.isfile(source):
-    tensors = load_file(source)
-  else:
-    tensors = torch.load(os.path.join(source, OFFICIAL_VAE_WEIGHTS), map_location="cpu",
-                         weights_only=True, mmap=True)
-    tensors = tensors.get("state_dict", tensors)
+  path = source if os.path.isfile(source) else os.path.join(source, OFFICIAL_VAE_WEIGHTS)
+  tensors = torch_state_dict(path) if path.endswith(TORCH_PICKLE_SUFFIXES) else load_file(path)
   prefix = common_prefix(tensors, ("vae.",))
   return {k[len(prefix):]: v for k, v in tensors.items()}
 

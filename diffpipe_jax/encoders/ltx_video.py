@@ -68,8 +68,11 @@ class LTXVideoEncoders(Encoders):
     self.t5 = T5EncoderModel.from_pretrained(os.path.join(self.path, "text_encoder"),
                                              dtype=self.dtype).to(self.device).eval()
 
+  def component_source(self, sub):
+    return self.vae_file if sub == "vae" and self.vae_file else super().component_source(sub)
+
   def component_files(self, sub):
-    if sub == "vae" and self.vae_file:
+    if sub == "vae" and self.vae_file:  # the folder's config.json says the architecture
       return [os.path.join(self.path, "vae", "config.json"), self.vae_file]
     return super().component_files(sub)
 
