@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import re
+import signal
 import statistics
 import struct
 import subprocess
@@ -101,6 +102,9 @@ def run(name, args, out, env=None):
   gpu, start = GpuMemory(), time.time()
   proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
                           env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+  # a time limit's SIGTERM (timeout(1)) reaches the process being measured too, which stops as
+  # a user's job would (a checkpoint, one line), so that nothing is left running on the GPU
+  signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
   lines, log = [], open(os.path.join(out, f"{name}.log"), "w")
   pending = b""
   while chunk := proc.stdout.read1(1 << 16):
