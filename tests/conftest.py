@@ -94,6 +94,13 @@ def tiny_models(tmp_path_factory):
   return get
 
 
+@pytest.fixture(scope="module")
+def flux(tiny_models):
+  """Our tiny FLUX.1, loaded from its diffusers layout."""
+  from diffpipe_jax import models
+  return models.load("flux", tiny_models("flux")["layouts"]["diffusers"], progress=False)
+
+
 @pytest.fixture(params=FAMILIES)
 def tiny_model(request, tiny_models):
   """Each family's tiny model in turn (a generic test's parameter)."""

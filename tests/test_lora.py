@@ -118,12 +118,6 @@ def test_a_failed_export_leaves_nothing_half_written(loaded, tmp_path, monkeypat
   assert sorted(os.listdir(tmp_path)) == ["epoch1"]  # no epoch2.tmp/
 
 
-@pytest.fixture(scope="module")
-def flux(tiny_models):
-  """Our tiny Flux (the LoRA's module names are diffusers')."""
-  return models.load("flux", tiny_models("flux")["layouts"]["diffusers"], progress=False)
-
-
 def modules(adapter):
   """The adapter's module names, without block indices."""
   return {".".join(path[:-1]) for path in table.flatten(adapter)}
