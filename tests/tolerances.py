@@ -42,4 +42,5 @@ def largest_difference(got, want):
 
 def assert_close(got, want, bound=FLOAT32_REORDERING, what=""):
   error = rel_err(got, want)
-  assert error <= bound, f"{what}: relative error {error:.3g} > {bound:.3g}, most in {largest_difference(got, want)}"
+  assert error <= bound, (f"{what + ': ' if what else ''}relative error {error:.3g} > {bound:.3g}, most in "
+                          f"{largest_difference(got, want)}")
