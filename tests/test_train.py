@@ -237,7 +237,11 @@ def test_resume_gives_the_same_run(tmp_path, monkeypatch, name):
   assert_close(losses_b, losses_a, what="losses")
   final_a = load_file(os.path.join(run_a, "epoch4", lora.WEIGHTS_NAME))
   final_b = load_file(os.path.join(run_b, "epoch4", lora.WEIGHTS_NAME))
-  assert_close(final_b, final_a, what="the final LoRA")
+  # Adam's step is about lr whatever the gradient's size, so rounding in a gradient near zero (of
+  # swapped blocks, programs of their own) can move its entry by lr a step: entries were seen 1e-3
+  # of their leaf's largest apart (0 on an AVX-512 EPYC) while the losses, which those entries
+  # barely move, agreed to 1e-5. 1e-3 over the whole LoRA keeps that room.
+  assert_close(final_b, final_a, bound=1e-3, what="the final LoRA")
 
   if name == MACHINERY_FAMILY:  # a family's own stacks over stages: tests/multidevice_check.py
     resumes_across_layouts(tmp_path, name, args, losses_a)
