@@ -1,6 +1,6 @@
 """The bound of tests/tolerances.py catches real mistakes: each below is one that a layout, a
 program split or a conversion could make, in one layer, and is over the bound by 100x at least
-(where rounding stays 10x under it)."""
+(where rounding stays 5x under it)."""
 import jax
 import jax.numpy as jnp
 import pytest
