@@ -4,6 +4,7 @@ import importlib
 import inspect
 import logging
 import os
+import platform
 import shutil
 import tempfile
 
@@ -23,8 +24,8 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), TE
 
 
 def xla_flags(devices):
-  """XLA_FLAGS for a subprocess with `devices` CPU devices."""
-  return f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
+  """XLA_FLAGS for a subprocess with `devices` CPU devices: the session's, and the device count."""
+  return f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}"
 
 
 import pytest  # noqa: E402
@@ -40,6 +41,40 @@ FAMILIES = family_lib.names()
 # that compiles fastest. What a family's model changes (its stacks over stages, swapped blocks,
 # its export) is tested for every family.
 MACHINERY_FAMILY = "ltx-video"
+
+
+def cpu():
+  """The CPU's name and the vector extensions of those XLA compiles for that it has (from
+  /proc/cpuinfo, where there is one)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      first = f.read().split("\n\n")[0]
+  except OSError:
+    first = ""
+  fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
+  name = fields.get("model name") or platform.processor() or platform.machine()
+  vector = [ext for ext in ("avx512f", "avx2", "fma") if ext in fields.get("flags", "").split()]
+  return f"{name} ({' '.join(vector)})" if vector else name
+
+
+def machine():
+  """The lines that name the machine: XLA compiles for the CPU it runs on (its vector width, its
+  FMA), so float32 results differ in their last bits between machines (tests/tolerances.py)."""
+  import jax
+  import jaxlib
+  return [f"cpu: {cpu()}, {os.cpu_count()} cores",
+          f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, XLA_FLAGS: {os.environ['XLA_FLAGS']}"]
+
+
+def pytest_report_header(config):
+  return machine()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  """-q (CI's) writes no header: the machine goes under the results instead."""
+  if config.get_verbosity() < 0:
+    for line in machine():
+      terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
@@ -58,6 +93,13 @@ def tiny_models(tmp_path_factory):
                         layouts=side.save_tiny(model, str(tmp_path_factory.mktemp(name))))
     return built[key]
   return get
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_models):
+  """Our tiny FLUX.1, loaded from its diffusers layout."""
+  from diffpipe_jax import models
+  return models.load("flux", tiny_models("flux")["layouts"]["diffusers"], progress=False)
 
 
 @pytest.fixture(params=FAMILIES)

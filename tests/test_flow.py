@@ -7,13 +7,7 @@ import pytest
 import torch
 
 from conftest import family_config
-from diffpipe_jax import flow, lora, models, update
-
-
-@pytest.fixture(scope="module")
-def flux(tiny_models):
-  tiny = tiny_models("flux")
-  return models.load("flux", tiny["layouts"]["diffusers"], progress=False)
+from diffpipe_jax import flow, lora, update
 
 
 def config(**overrides):

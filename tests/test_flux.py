@@ -11,6 +11,7 @@ import torch
 import test_cache
 import test_data
 from conftest import load_encoders, transformers_log
+from tolerances import assert_close, rel_err
 from diffpipe_jax import cache, data, lora, media, models, tiny
 from diffpipe_jax.convert import table
 from diffpipe_jax.encoders import flux as flux_torch
@@ -23,10 +24,6 @@ DEV = flux.config_from_diffusers(flux_torch.TINY_FLUX)
 def flux_inputs(batch, h, w, txt_len, guidance, seed=0):
   inputs = flux.random_inputs(DEV, batch, h, w, txt_len, seed)
   return inputs if guidance else {**inputs, "guidance": None}
-
-
-def rel_err(a, b):
-  return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 def torch_forward(model, inputs, dtype=torch.float32):
@@ -49,7 +46,7 @@ def test_parity_with_diffusers(flux_checkpoints, loaded, variant, batch, h, w, t
   for layout in LAYOUTS:
     out = loaded[variant, layout](**inputs)
     assert out.shape == ref.shape
-    assert rel_err(out, ref) <= 1e-5, (layout, rel_err(out, ref))
+    assert_close(out, ref, what=layout)
   assert loaded[variant, "single_file"].config == loaded[variant, "diffusers"].config
   assert loaded[variant, "single_file"].config.axes_dims_rope == flux_torch.TINY_FLUX["axes_dims_rope"]
 
@@ -140,17 +137,17 @@ def test_cache_matches_flux_pipeline(pipeline, encoders, tmp_path):
         text, pooled, _ = pipe.encode_prompt(item["caption"], prompt_2=None,
                                              max_sequence_length=512)
       got = c.get(bucket, index)
-      np.testing.assert_allclose(got["latents"], want, rtol=1e-5, atol=1e-5)
-      np.testing.assert_allclose(got["text"], text[0].numpy(), rtol=1e-5, atol=1e-5)
-      np.testing.assert_allclose(got["pooled"], pooled[0].numpy(), rtol=1e-5, atol=1e-5)
+      assert_close(got["latents"], want, what=f"{key}: latents")
+      assert_close(got["text"], text[0].numpy(), what=f"{key}: text")
+      assert_close(got["pooled"], pooled[0].numpy(), what=f"{key}: pooled")
       assert flux.image_ids(*c.grid(bucket)).shape[0] == got["latents"].shape[0]
   assert c.get((64, 32, 1), 0)["latents"].shape == (8 * 16, 16)
 
   with torch.no_grad():
     text, pooled, _ = pipe.encode_prompt("", prompt_2=None, max_sequence_length=512)
   empty = c.empty_text((64, 32, 1))
-  np.testing.assert_allclose(empty["text"], text[0].numpy(), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(empty["pooled"], pooled[0].numpy(), rtol=1e-5, atol=1e-5)
+  assert_close(empty["text"], text[0].numpy(), what="empty text")
+  assert_close(empty["pooled"], pooled[0].numpy(), what="empty pooled")
 
 
 def test_identity_changes_with_settings(pipeline, encoders):
@@ -175,7 +172,7 @@ def test_cached_dataset_latents_equal_a_direct_vae_encode(tmp_path, encoders, pi
     z = vae.encode(torch.from_numpy(frames[0]).permute(2, 0, 1)[None]).latent_dist.mean
   z = (z - vae.config.shift_factor) * vae.config.scaling_factor
   packed = FluxPipeline._pack_latents(z, 1, z.shape[1], z.shape[2], z.shape[3]).numpy()[0]
-  np.testing.assert_allclose(d.cache.get(bucket, 0)["latents"], packed, rtol=1e-4, atol=1e-5)
+  assert_close(d.cache.get(bucket, 0)["latents"], packed)
 
 
 def test_transformers_torchvision_fallback_is_not_shown(monkeypatch):

@@ -15,6 +15,7 @@ from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PRO
 from safetensors.numpy import load_file
 
 from conftest import load_encoders, transformers_log
+from tolerances import assert_close
 from diffpipe_jax import cache, data, tiny
 from diffpipe_jax.convert.tensorfile import write_safetensors
 from diffpipe_jax.encoders import hunyuan_video
@@ -86,7 +87,7 @@ def test_latents_are_the_pipelines_vae(encoders, pipe, frames, height, width):
   got = encoders.encode_media(pixels)
   assert got.shape == (2, hunyuan_video.TINY_VAE["latent_channels"],
                        *encoders.latent_grid(frames, height, width))
-  np.testing.assert_allclose(got, vae_latents(pipe.vae, pixels), rtol=1e-5, atol=1e-5)
+  assert_close(got, vae_latents(pipe.vae, pixels))
 
 
 def test_long_clips_are_encoded_frame_wise(encoders, pipe):
@@ -94,11 +95,10 @@ def test_long_clips_are_encoded_frame_wise(encoders, pipe):
   whole-clip encode's; up to 17 they are the same."""
   pixels = clips(21, 32, 32, batch=1)
   got = encoders.encode_media(pixels)
-  np.testing.assert_allclose(got, vae_latents(pipe.vae, pixels), rtol=1e-5, atol=1e-5)
+  assert_close(got, vae_latents(pipe.vae, pixels))
   assert np.abs(got - vae_latents(pipe.vae, pixels, framewise=False)).max() > 0.1
   pixels = clips(17, 32, 32, batch=1)
-  np.testing.assert_allclose(encoders.encode_media(pixels),
-                             vae_latents(pipe.vae, pixels, framewise=False), rtol=1e-5, atol=1e-5)
+  assert_close(encoders.encode_media(pixels), vae_latents(pipe.vae, pixels, framewise=False))
 
 
 def test_frames_and_sides_the_pipeline_refuses_are_errors(encoders):
@@ -135,9 +135,9 @@ def test_text_is_the_pipelines_and_truncation_is_tallied(encoders, pipe, frames)
     embeds, pooled, mask = pipe.encode_prompt(
         captions, prompt_template=dict(template=template, crop_start=crop), device="cpu",
         max_sequence_length=256)
-  np.testing.assert_allclose(got["text"], embeds.numpy(), rtol=1e-6, atol=1e-6)
+  assert_close(got["text"], embeds.numpy(), what="text")
   np.testing.assert_array_equal(got["text_mask"], mask.float().numpy())
-  np.testing.assert_allclose(got["pooled"], pooled.numpy(), rtol=1e-6, atol=1e-6)
+  assert_close(got["pooled"], pooled.numpy(), what="pooled")
   assert got["text"].shape == (5, 256, 24) and got["pooled"].shape == (5, 20)
   assert {v.dtype for v in got.values()} == {np.dtype(np.float32)}
   assert got["text_mask"].sum(1).tolist() == [14, 256, 1, 256, 256]  # caption + <|eot_id|>
@@ -161,9 +161,9 @@ def test_caption_dropout_takes_the_empty_caption_in_the_rows_template(encoders, 
     embeds, pooled, mask = pipe.encode_prompt(
         [""], prompt_template=dict(template=template, crop_start=hunyuan_video.crop_start(
             encoders.tokenizer, template)), device="cpu", max_sequence_length=256)
-  np.testing.assert_allclose(video["text"], embeds.numpy(), rtol=1e-6, atol=1e-6)
+  assert_close(video["text"], embeds.numpy(), what="text")
   np.testing.assert_array_equal(video["text_mask"], mask.float().numpy())
-  np.testing.assert_allclose(video["pooled"], pooled.numpy(), rtol=1e-6, atol=1e-6)
+  assert_close(video["pooled"], pooled.numpy(), what="pooled")
   assert np.abs(image["text"] - video["text"]).max() > 0.1
   np.testing.assert_array_equal(image["text"], encoders.encode_text([""], frames=1)["text"])
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tolerances import assert_close, rel_err
 from diffpipe_jax import lora, models, tiny
 from diffpipe_jax.convert import table
 from diffpipe_jax.convert.tensorfile import TensorFiles, write_safetensors
@@ -22,10 +23,6 @@ LAYOUTS = ("diffusers", "diffusers_sharded", "single_file", "single_file_prefixe
 # and one of 3 heads of 8 (24 % 6 = 0: no padding).
 VARIANTS = {"padded": dict(seed=1),
             "unpadded": dict(seed=2, num_attention_heads=3, cross_attention_dim=24)}
-
-
-def rel_err(a, b):
-  return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 def torch_forward(model, inputs, dtype=torch.float32):
@@ -96,7 +93,7 @@ def test_parity_with_diffusers(checkpoints, loaded, variant, grid, batch, timest
   ref = torch_forward(checkpoints[variant]["torch"], ref_inputs)
   out = model(**inputs)
   assert out.shape == ref.shape == (batch, int(np.prod(grid)), model.config.out_channels)
-  assert rel_err(out, ref) <= 1e-5, rel_err(out, ref)
+  assert_close(out, ref)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -111,7 +108,7 @@ def test_every_layout_loads_the_same_model(checkpoints, loaded, variant):
     model = models.load("ltx-video", checkpoints[variant]["layouts"][layout], progress=False)
     assert model.config == want.config, layout
     jax.tree.map(np.testing.assert_array_equal, model.params, want.params)
-    assert rel_err(model(**inputs), ref) <= 1e-5, layout
+    assert_close(model(**inputs), ref, what=layout)
 
 
 def test_vae_keys_are_ignored_unprefixed_too(checkpoints, tmp_path):
@@ -262,7 +259,7 @@ def test_training_inputs_are_what_the_pipeline_passes(checkpoints, loaded):
       hidden_states=batch["latents"], encoder_hidden_states=batch["text"],
       encoder_attention_mask=batch["text_mask"], timestep=t * 1000, num_frames=grid[0],
       height=grid[1], width=grid[2], rope_interpolation_scale=(8 / 24, 32, 32)))
-  assert rel_err(out, ref) <= 1e-5
+  assert_close(out, ref)
 
 
 def test_first_frame_conditioning(loaded):

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import family_config, load_encoders
+from tolerances import assert_close
 from diffpipe_jax.encoders import ltx_video
 from diffpipe_jax.errors import UserError
 
@@ -81,7 +82,7 @@ def test_latents_are_ltx_pipelines(encoders, pipe, frames):
   got = encoders.encode_media(pixels)
   assert grid == encoders.latent_grid(frames, 64, 96)
   assert got.shape == (2, np.prod(grid), ltx_video.TINY_LTX["in_channels"]) == want.shape
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert_close(got, want)
 
 
 def test_frames_and_sides_the_pipeline_refuses_are_errors(encoders):
@@ -97,7 +98,7 @@ def test_text_is_ltx_pipelines_and_truncation_is_tallied(encoders, pipe):
   with torch.no_grad():
     embeds, mask, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
                                             max_sequence_length=128, device="cpu")
-  np.testing.assert_allclose(got["text"], embeds.numpy(), rtol=1e-6, atol=1e-6)
+  assert_close(got["text"], embeds.numpy())
   np.testing.assert_array_equal(got["text_mask"], mask.float().numpy())
   assert got["text"].shape == (3, 128, 20) and got["text_mask"].dtype == np.float32
   assert got["text_mask"][1].all() and got["text_mask"][2].sum() == 1  # "" is just </s>

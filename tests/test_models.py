@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES
+from tolerances import assert_close
 from diffpipe_jax import convert, family as family_lib, models
 from diffpipe_jax.convert import CheckpointError, table
 from diffpipe_jax.convert.tensorfile import TensorFiles, write_safetensors
@@ -23,10 +24,6 @@ GENERIC = ("main.py", "diffpipe_jax/train.py", "diffpipe_jax/data.py", "diffpipe
            "diffpipe_jax/flow.py", "diffpipe_jax/optim.py", "diffpipe_jax/models/__init__.py",
            "diffpipe_jax/convert/loader.py", "diffpipe_jax/encoders/__init__.py",
            "diffpipe_jax/sample.py", "diffpipe_jax/cli.py", "configs/common.py")
-
-
-def rel_err(a, b):
-  return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 def torch_forward(model, inputs):
@@ -45,7 +42,7 @@ def test_every_layout_loads_and_matches_diffusers(tiny_model):
     model = models.load(fam.type, path, progress=False)
     inputs = fam.random_inputs(model.config, batch=2, seed=3)
     ref = torch_forward(tiny_model["torch"], inputs)
-    assert rel_err(model(**inputs), ref) <= 1e-5, layout
+    assert_close(model(**inputs), ref, what=layout)
     configs.add(model.config)
   assert len(configs) == 1, configs  # every layout tells the same sizes
 

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from conftest import family_config
+from tolerances import FLOAT32_REORDERING, assert_close
 from diffpipe_jax import optim, sharding, stacks, update, validate
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 
@@ -191,11 +192,10 @@ def test_optimizer_state_in_every_layout(kind):
     for g in grads:
       u, state = tx.update(layout.to_stages(g), state, params)
     return layout.to_layers(u)
-  steps = [jax.jit(second_update, static_argnums=0)(layout) for layout in layouts]
-  tolerance = 1e-2 if kind == "adamw8bit" else 1e-5
-  for layout_updates in steps[1:]:
-    for a, b in zip(jax.tree.leaves(steps[0]), jax.tree.leaves(layout_updates)):
-      assert np.abs(b - a).mean() < tolerance * np.abs(a).mean()
+  plain, staged = (jax.jit(second_update, static_argnums=0)(layout) for layout in layouts)
+  # an 8-bit moment whose code rounds the other way moves its entry of the update by up to 1/8
+  # (3 mantissa bits): ~8e-4 of the 26,000 entries' norm, 1e-2 for some 150 of them
+  assert_close(staged, plain, bound=1e-2 if kind == "adamw8bit" else FLOAT32_REORDERING)
 
 
 @pytest.mark.parametrize("kind", optim.OPTIMIZERS)

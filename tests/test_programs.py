@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import jaxpr_equations
+from tolerances import assert_close
 from diffpipe_jax import programs, stacks
 
 
@@ -44,10 +45,9 @@ def test_split_function_gives_jax_value_and_gradient():
   args = arguments(4, 8)
   want_value, want_grad = jax.value_and_grad(model)(*args)
   value, grad = programs.value_and_grad(model)(*args)
-  np.testing.assert_allclose(value, want_value, rtol=1e-6)
-  for g, w in zip(jax.tree.leaves(grad), jax.tree.leaves(want_grad)):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(programs.split(model)(*args), model(*args), rtol=1e-6)
+  assert_close(value, want_value, what="value")
+  assert_close(grad, want_grad, what="gradient")
+  assert_close(programs.split(model)(*args), model(*args), what="split value")
 
 
 @pytest.mark.parametrize("remat", [None, jax.checkpoint_policies.nothing_saveable])
@@ -105,11 +105,10 @@ def test_remat_blocks_keep_no_residuals_and_host_weights_are_copied_once_a_pass(
     copied.clear()
     value, grad = programs.value_and_grad(fn)(args[0], weights, *args[2:])
     assert copied == ["pinned_host"] * 2 * len(swapped), copied
-    np.testing.assert_allclose(value, want_value, rtol=1e-6)
-    for g, w in zip(jax.tree.leaves(grad), jax.tree.leaves(want_grad)):
-      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    assert_close(value, want_value, what="value")
+    assert_close(grad, want_grad, what="gradient")
     copied.clear()
-    np.testing.assert_allclose(programs.split(fn)(args[0], weights, *args[2:]), want_value, rtol=1e-6)
+    assert_close(programs.split(fn)(args[0], weights, *args[2:]), want_value, what="split value")
     assert copied == ["pinned_host"] * len(swapped), copied
 
 
@@ -145,8 +144,8 @@ def test_values_ahead_of_calls_are_computed_once_for_every_call():
   call = jax.jit(loop.call)
   for n, t in enumerate(ts):
     want = modulated_model(weights, x, t)
-    np.testing.assert_allclose(call(values[n], weights, x, t), want, rtol=1e-6)
-    np.testing.assert_allclose(programs.split(loop.call)(values[n], weights, x, t), want, rtol=1e-6)
+    assert_close(call(values[n], weights, x, t), want, what="call")
+    assert_close(programs.split(loop.call)(values[n], weights, x, t), want, what="split call")
   eqns = list(jaxpr_equations(jax.make_jaxpr(loop.call)(values[0], weights, x, ts[0]).jaxpr))
   assert sum(e.primitive.name == "dot_general" for e in eqns) == n_layers  # x @ w[:, :d] only
   assert sum(e.params.get("name") == programs.AHEAD for e in eqns) == n_layers  # mean(x)

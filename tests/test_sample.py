@@ -11,15 +11,12 @@ import pytest
 import torch
 
 from conftest import FAMILIES, diffusers_hidden_size, family_config, jaxpr_equations, load_encoders
+from tolerances import LORA_PARITY, assert_close, rel_err
 from diffpipe_jax import family as family_lib, lora, models, programs, sample, sharding
 
 # a size of a few latent tokens per family: (frames, height, width) in pixels
 SIZES = {"flux": (1, 32, 48), "ltx-video": (9, 64, 96), "hunyuan-video": (5, 32, 48)}
 PROMPTS = ["a red pattern, number 3", "blue"]
-
-
-def rel_err(a, b):
-  return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 def tiny_model_config(name, folder):
@@ -98,7 +95,7 @@ def test_latents_equal_the_diffusers_pipeline_with_a_lora(pipeline_folder, tmp_p
       guidance_scale=guidance, output_type=output_type, return_dict=False, **video)[0]
   with torch.no_grad():
     want = run("latent").numpy()
-  assert rel_err(ours, want) < 1e-4, rel_err(ours, want)
+  assert_close(ours, want, bound=LORA_PARITY)
   assert rel_err(base, want) > 1e-3  # the LoRA changes the samples
   # decoded as the pipeline decodes: its [0, 1] pixels. LTX-Video's decoder adds fresh random
   # noise inside its resnets (where it has `per_channel_scale`s), so both decode without it here.
@@ -152,8 +149,7 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
                                 unrolled=True)
   unrolled = models.load(name, path, unrolled=True, layout=layout, progress=False)
   split = sample.step_fn(unrolled, model_config, 4.0, split=True)
-  np.testing.assert_allclose(draw(unrolled, sample.Steps(record(split.ahead), record(split.step))),
-                             latents, rtol=1e-5, atol=1e-6)
+  assert_close(draw(unrolled, sample.Steps(record(split.ahead), record(split.step))), latents)
   # ... whose layers still share their stack's program
   blocks = [e.params["jaxpr"] for e in jaxpr_equations(
       sample.step_fn(unrolled, model_config, 4.0).step.trace(*calls[-1]).jaxpr) if programs.block_call(e)]
@@ -191,7 +187,7 @@ def test_loras_combine_into_the_sum_of_their_updates(tiny_models):
   update = lambda adapter, m: adapter[m[0]][m[1]]["lora_A"] @ adapter[m[0]][m[1]]["lora_B"]
   for m in (("transformer_blocks", "attn.to_q"), ("single_transformer_blocks", "proj_out")):
     want = 0.5 * update(a, m) + (update(b, m) if m[1] in b.get(m[0], {}) else 0)
-    np.testing.assert_allclose(update(combined, m), want, rtol=1e-5, atol=1e-6)
+    assert_close(update(combined, m), want, what=str(m))
 
 
 def test_the_sampling_command_draws_with_loras(tmp_path, tiny_models, monkeypatch):
