@@ -19,8 +19,8 @@ encoded batch becomes its own shard whose sidecar is renamed into place last: th
 shard's commit, so an interrupted run keeps every finished batch and a rerun skips them, at a cost
 per batch that does not grow with the dataset. The media are encoded first, the VAE alone on the
 device, each batch's shard committed with its latents only; then the text encoders alone add
-each shard's text embeddings and commit it again, whole (a GPU of 24 GB holds HunyuanVideo's 8B
-LLaMA or its VAE's activations, not both). Once all items are encoded each bucket is compacted
+each shard's text embeddings and commit it again, whole (a GPU of 24 GB holds an 8B text
+encoder or a video VAE's activations, not both). Once all items are encoded each bucket is compacted
 into a single shard in key order, then `manifest.json` (the only thing readers open) is renamed
 into place and files it does not name are deleted; nothing half-written is ever read. A build
 holds `<cache dir>.lock` (beside the cache, which keeps only what the manifest names), so a second
@@ -220,7 +220,8 @@ def update_cache(cache_dir, items, encoders, batch_size, regenerate) -> "Cache":
     with tqdm(total=sum(map(len, todo.values())), desc="caching latents", unit="item") as bar:
       encode_latents(cache_dir, todo, encoders, batch_size, bar)
     encoders.release(("vae",))
-  uncaptioned = awaiting_text(cache_dir, wanted)
+  order = {fp: i for i, fp in enumerate(wanted)}  # the captions' order, as given
+  uncaptioned = sorted(awaiting_text(cache_dir, wanted), key=lambda s: order[s[2]["fingerprints"][0]])
   if uncaptioned:
     with tqdm(total=sum(len(s[2]["fingerprints"]) for s in uncaptioned), desc="caching captions",
               unit="item") as bar:

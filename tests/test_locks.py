@@ -127,6 +127,9 @@ class SlowEncoders:
   def truncation_notes(self):
     return []
 
+  def release(self, attrs=None):  # the VAE, between the media and the text pass
+    pass
+
 
 def hold(path, log, how="hold"):
   """Holds the lock (taken at once, or after waiting: `how` "waiting") until stdin closes, then
