@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks import full_size, train_step
+from benchmarks import full_job, full_size, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a PyTorch peer whose run without checkpointing runs out of GPU memory, as at --res 2048
@@ -428,3 +428,23 @@ def test_full_size_dataset_decodes_as_planned(tmp_path):
   words = [len(open(os.path.splitext(str(tmp_path / i.path))[0] + ".txt").read().split())
            for i in items]
   assert min(words) < 20 and max(words) > 77
+
+
+def test_full_job_reads_step_times_from_the_runs_events_and_rates_from_its_bars(tmp_path):
+  """benchmarks/full_job.py's readings (the job itself needs a GPU and full-size files): each
+  step's wall time from the TensorBoard events the run writes, and a cache's items a second
+  from the largest of its tqdm bars (the training set's, beside the eval set's)."""
+  from tensorboardX import SummaryWriter
+  board = SummaryWriter(str(tmp_path))
+  for step, loss in ((1, 0.5), (2, 0.25)):
+    board.add_scalar("train/loss", loss, step)
+    board.add_scalar("train/lr", 1e-4, step)
+  board.close()
+  scalars = full_job.tensorboard_scalars(str(tmp_path), "train/loss")
+  assert [(s, v) for s, _, v in scalars] == [(1, 0.5), (2, 0.25)]
+  assert list(full_job.step_times(scalars, 1, 2)) == [2]
+  bar = lambda total: [f"caching latents: {100 * n // total}%|##| {n}/{total} [00:01<00:00]"
+                       for n in range(total + 1)]
+  lines = list(enumerate(bar(4) + bar(2), start=10))  # a second a line
+  assert full_job.bar_rate(dict(lines=lines), "caching latents") == 1.0
+  assert full_job.bar_rate(dict(lines=lines), "caching captions") is None
