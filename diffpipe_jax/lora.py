@@ -67,7 +67,8 @@ def check_rank(abstract_params, targets: Sequence[str], rank: int):
   """Refuses a rank above a target's smaller side, naming the target that bounds it: beyond that
   side the update's rank cannot grow, and the factors only cost memory (and a first compile
   that ran to 16 GB of host memory at rank 100000)."""
-  shapes = {name: linear_modules(abstract_params)[name][1].shape[-2:] for name in targets}
+  linears = linear_modules(abstract_params)
+  shapes = {name: linears[name][1].shape[-2:] for name in targets}
   name, (d_in, d_out) = min(shapes.items(), key=lambda item: min(item[1]))
   if rank > min(d_in, d_out):
     raise UserError(f"adapter.rank={rank}: at most {min(d_in, d_out)} for this model, the smaller "
