@@ -32,18 +32,42 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Each family's README recipe per card (the keys a user sets on the command line); the full job
-# uses the layout given to --models: a diffusers folder, or one with the family's single files.
+# Each family's README recipe per card (the keys a user sets on the command line): its model
+# files (`model`, from the folder given to --models: full_size.py's layout), its data (full_size.py
+# --dataset's folder) and the shape of its buckets (`dataset`), the bare step's shape and mode.
 RECIPES = {
     "flux": dict(
-        config="flux", data="images", step=dict(model="flux", res=1024),
+        config="flux", data="images", model=lambda m: dict(diffusers_path=m),
+        single_file="model.transformer_path",
+        # three aspect-ratio buckets near 1024x1024 pixels: three shapes to compile, as a user's
+        # mixed-aspect set gives
+        dataset={"dataset.min_ar": 0.75, "dataset.max_ar": 1.333, "dataset.num_ar_buckets": 3},
+        step=dict(model="flux", res=1024),
         cards={"80": dict(overrides={}, modes="per-block remat", swap=0),
                "24": dict(overrides={"model.transformer_dtype": "float8", "blocks_to_swap": 4},
                           modes="fp8 base + per-block remat (unrolled)", swap=4)}),
+    "ltx-video": dict(  # 768x512x121 (the clips shorter than 121 frames are skipped)
+        config="ltx_video", data="videos", model=lambda m: dict(diffusers_path=m),
+        single_file="model.single_file_path",
+        dataset={"dataset.resolutions": "(627,)", "dataset.min_ar": 1.5, "dataset.max_ar": 1.5,
+                 "dataset.num_ar_buckets": 1, "dataset.frame_buckets": "(1, 121)"},
+        step=dict(model="ltx-video", res=512, width=768, frames=121),
+        cards={"80": dict(overrides={}, modes="per-block remat", swap=0),
+               "24": dict(overrides={}, modes="per-block remat", swap=0)}),
+    "hunyuan-video": dict(  # ComfyUI's files, as diffusion-pipe's example names them; 512x512x33
+        config="hunyuan_video", data="videos", model=lambda m: dict(
+            transformer_path=f"{m}/hunyuan_video_720_cfgdistill_fp8_e4m3fn.safetensors",
+            vae_path=f"{m}/hunyuan_video_vae_bf16.safetensors",
+            llm_path=f"{m}/llava-llama-3-8b-text-encoder-tokenizer",
+            clip_path=f"{m}/clip-vit-large-patch14"),
+        dataset={"dataset.enable_ar_bucket": False, "dataset.frame_buckets": "(1, 33)"},
+        step=dict(model="hunyuan-video", res=512, frames=33),
+        cards={"80": dict(overrides={"model.transformer_dtype": "float8"},
+                          modes="fp8 base + per-block remat", swap=0),
+               # 20 swapped peak at 18.4 GiB, over JAX's 18 GiB of a 24 GiB card (BENCHMARKS.md)
+               "24": dict(overrides={"model.transformer_dtype": "float8", "blocks_to_swap": 40},
+                          modes="fp8 base + per-block remat (unrolled)", swap=40)}),
 }
-# Three aspect-ratio buckets near 1024x1024 pixels: three shapes to compile, as a user's
-# mixed-aspect set gives (dataset.num_ar_buckets), in a few minutes of a GPU
-DATASET_KEYS = {"dataset.min_ar": 0.75, "dataset.max_ar": 1.333, "dataset.num_ar_buckets": 3}
 PROMPTS = ("a photograph of a red cube on a wooden table, morning light",
            "a watercolour of a lighthouse at dusk")
 
@@ -59,7 +83,7 @@ def user_config(path, family, models, data):
 
         def get_config(arg=""):
           c = family.get_config(arg)
-          c.model.diffusers_path = {models!r}
+          c.model.update({recipe["model"](models)!r})
           c.dataset.path = {os.path.join(data, recipe["data"])!r}
           c.eval_datasets.held_out = dict(path={os.path.join(data, "eval")!r}, toml_path="")
           c.sample_prompts = {PROMPTS!r}
@@ -105,15 +129,17 @@ def run(name, args, out, env=None):
   # a time limit's SIGTERM (timeout(1)) reaches the process being measured too, which stops as
   # a user's job would (a checkpoint, one line), so that nothing is left running on the GPU
   signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
-  lines, log = [], open(os.path.join(out, f"{name}.log"), "w")
-  pending = b""
+  lines, log = [], open(os.path.join(out, f"{name}.log"), "w", buffering=1)  # as it comes
+  pending, since = b"", 0.0  # a line's start, and when it came: a bar's \r line ends at the next
   while chunk := proc.stdout.read1(1 << 16):
     now = time.time() - start
-    *done, pending = re.split(rb"[\r\n]", pending + chunk)
-    for raw in done:
+    *done, rest = re.split(rb"[\r\n]", pending + chunk)
+    for i, raw in enumerate(done):
       if raw.strip():
-        lines.append((now, raw.decode(errors="replace")))
-        log.write(f"{now:9.2f} {lines[-1][1]}\n")
+        lines.append((since if i == 0 and pending else now, raw.decode(errors="replace")))
+        log.write(f"{lines[-1][0]:9.2f} {lines[-1][1]}\n")
+    since = since if rest and not done and pending else now
+    pending = rest
   log.close()
   _, status, usage = os.wait4(proc.pid, 0)
   proc.returncode = os.waitstatus_to_exitcode(status)
@@ -162,6 +188,11 @@ def bar_span(result, desc):
   return shown[-1] - shown[0] if shown else None
 
 
+def steps_per_epoch(result):
+  found = re.search(r"(\d+) steps an epoch", " ".join(line for _, line in result["lines"]))
+  return found and int(found.group(1))
+
+
 def run_dir_of(result):
   return next(line.split("run directory: ")[1].split(";")[0] for _, line in result["lines"]
               if "run directory: " in line)
@@ -173,14 +204,19 @@ PHASES = ("cache", "cache_again", "train", "resume", "sample_command", "train_st
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--family", choices=sorted(RECIPES), default="flux")
-  p.add_argument("--models", help="the family's diffusers folder")
-  p.add_argument("--single_file", default="", help="the transformer's single file (model.transformer_path)")
+  p.add_argument("--models", help="the family's folder (full_size.py's layout)")
+  p.add_argument("--single_file", default="", help="the family's single file (Flux: "
+                 "model.transformer_path; LTX-Video: model.single_file_path)")
   p.add_argument("--data", help="full_size.py --dataset's folder")
   p.add_argument("--card", choices=("80", "24"), default="80")
   p.add_argument("--epochs", type=int, default=2, help="the first compiles each bucket, the rest is steady")
   p.add_argument("--phases", default=",".join(PHASES), help="those to run now; the others' figures "
                  "are read from --out, so that a job can span several calls")
+  p.add_argument("--skip_done", action="store_true", help="skip the phases whose figures --out "
+                 "holds: the same command goes on where a call's time limit stopped it")
   p.add_argument("--out", required=True, help="the job's folder: runs, logs, figures (a.json)")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="a config key beside the recipe's (--config.KEY=VALUE)")
   p.add_argument("--smoke", action="store_true", help="the :tiny pipeline on the CPU")
   a = p.parse_args()
   os.makedirs(a.out, exist_ok=True)
@@ -202,16 +238,17 @@ def main():
     config_arg, keys = f"configs/{recipe['config']}.py:tiny", {"epochs": a.epochs}
   else:
     user_config(config, a.family, a.models, a.data)
-    config_arg, keys = config, dict(DATASET_KEYS, epochs=a.epochs, **card["overrides"])
+    config_arg, keys = config, dict(recipe["dataset"], epochs=a.epochs, **card["overrides"])
     if a.single_file:
-      keys["model.transformer_path"] = a.single_file
+      keys[recipe["single_file"]] = a.single_file
+  keys.update(kv.split("=", 1) for kv in a.set)
   if a.card != "80":
     keys["max_device_memory_gib"] = int(a.card)
   base = [sys.executable, "main.py", "--config", config_arg,
           "--config.output_dir=" + os.path.join(a.out, "runs"),
           "--config.compilation_cache_dir=" + os.path.join(a.out, "xla_cache")]
   env = dict(JAX_PLATFORMS="cpu") if a.smoke else {}
-  phases = a.phases.split(",")
+  phases = [p for p in a.phases.split(",") if not (a.skip_done and results.get(p, {}).get("rc") == 0)]
 
   # caching: from nothing (the encoders at this card's memory), then once more, reusing it
   for name, again in (("cache", ["--regenerate_cache"]), ("cache_again", [])):
@@ -219,7 +256,7 @@ def main():
       r = run(name, base + flags(keys) + ["--cache_only"] + again, a.out, env)
       record(name, r, latents_per_s=bar_rate(r, "caching latents"),
              captions_per_s=bar_rate(r, "caching captions"),
-             steps_per_epoch=int(re.search(r"(\d+) steps an epoch", " ".join(l for _, l in r["lines"])).group(1)))
+             steps_per_epoch=steps_per_epoch(r))
 
   # training: an eval, a sample, an export and a checkpoint each after a step of its own, after
   # the first epoch (which compiles each bucket): each one's time is its step's excess over the
@@ -239,11 +276,15 @@ def main():
     run_dir = run_dir_of(r)
     steps = tensorboard_scalars(run_dir, "train/loss")
     times = step_times(steps, 1, total - 2)
-    steady = [t for s, t in times.items() if s > per_epoch and s - 1 not in at.values()]
+    # each bucket's first step compiles, a few of the first epoch's: the median of the rest is
+    # the steady step
+    steady = [t for s, t in times.items() if s - 1 not in at.values()]
     median = statistics.median(steady)
+    uncompiled = [t for t in steady if t < 3 * median]  # the mean shows a periodic stall
     peaks = [v for _, _, v in tensorboard_scalars(run_dir, "train/peak_memory_gib")]
     record("train", r, run_dir=run_dir, steps=len(steps), first_step_s=steps[0][1] - r["start"],
-           load_s=bar_span(r, "loading weights"), steady_step_s=median, steady_steps=len(steady),
+           load_s=bar_span(r, "loading weights"), steady_step_s=median, steady_mean_s=statistics.mean(uncompiled),
+           steady_steps=len(uncompiled),
            jax_peak_gib=max(peaks, default=None), **{f"{k}_s": times[s + 1] - median for k, s in at.items()},
            final_save_s=r["seconds"] - (steps[-1][1] - r["start"]))
   run_dir = results["train"]["run_dir"]
@@ -264,8 +305,8 @@ def main():
 
   if "train_step" in phases and not a.smoke:  # the bare step, same shape and mode
     step = recipe["step"]
-    r = run("train_step", [sys.executable, "benchmarks/train_step.py", "--model", step["model"],
-                           "--res", str(step["res"]), "--modes", card["modes"],
+    shape = [f"--{k}={v}" for k, v in step.items()]
+    r = run("train_step", [sys.executable, "benchmarks/train_step.py", *shape, "--modes", card["modes"],
                            "--blocks_to_swap", str(card["swap"])], a.out)
     record("train_step", r, table=[line for _, line in r["lines"] if line.startswith("|")])
   print("\n".join(table(results)))

@@ -6,7 +6,7 @@
   python main.py --config configs/hunyuan_video.py \
       --config.model.transformer_path=/models/hunyuan_video_720_cfgdistill_fp8_e4m3fn.safetensors \
       --config.model.transformer_dtype=float8 --config.model.vae_path=... \
-      --config.model.llm_path=... --config.model.clip_path=... --config.blocks_to_swap=20
+      --config.model.llm_path=... --config.model.clip_path=... --config.blocks_to_swap=40  # 24 GB
 
 Variants (the part after ':'): "" (bf16, rank 32) and "tiny" (a random tiny HunyuanVideo
 pipeline generated on first use, in diffusers' and Tencent's layouts, with a small synthetic

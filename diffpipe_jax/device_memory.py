@@ -20,11 +20,20 @@ JAX_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 GIB = 2**30
 
 
+# Each framework's CUDA context, outside its pool or limit: 0.52 GiB measured for PyTorch's alone
+# on an H100 (BENCHMARKS.md, "The whole job at full size"). A real card holds them too, so the cap
+# does: without them the HunyuanVideo job under a 24 GiB cap peaked at 24.03 GiB.
+CONTEXT_BYTES = 0.5 * GIB
+
+
 def fractions(cap_bytes: float, card_bytes: float) -> dict:
-  """The fractions of a card of `card_bytes` that keep a process within `cap_bytes`: JAX's
-  pool, PyTorch's limit while caching (no JAX array yet) and beside JAX's pool."""
-  cap = cap_bytes / card_bytes
-  return dict(jax=JAX_SHARE * cap, torch_caching=cap, torch_training=(1 - JAX_SHARE) * cap)
+  """The fractions of a card of `card_bytes` that keep a process, the frameworks' contexts
+  included, within `cap_bytes`: JAX's pool (its usual share of the cap, as of a card that size),
+  PyTorch's limit while caching (PyTorch's context alone: no JAX array yet) and beside JAX's pool
+  and both contexts."""
+  jax_pool = JAX_SHARE * cap_bytes
+  return dict(jax=jax_pool / card_bytes, torch_caching=(cap_bytes - CONTEXT_BYTES) / card_bytes,
+              torch_training=(cap_bytes - jax_pool - 2 * CONTEXT_BYTES) / card_bytes)
 
 
 class Sharing:
@@ -47,6 +56,10 @@ class Sharing:
       raise UserError(f"max_device_memory_gib={cap_gib:g} is more than the GPU's "
                       f"{card / GIB:.1f} GiB; lower it, or 0 for the whole card")
     self.fractions = fractions(cap_gib * GIB, card)
+    if self.fractions["torch_training"] <= 0:
+      raise UserError(f"max_device_memory_gib={cap_gib:g} leaves PyTorch nothing beside JAX's pool "
+                      f"({JAX_SHARE:.0%}) and the two CUDA contexts; use at least "
+                      f"{2 * CONTEXT_BYTES / GIB / (1 - JAX_SHARE) + 1:g}, or 0 for the whole card")
     if JAX_FRACTION_VARIABLE in os.environ:
       raise UserError(f"max_device_memory_gib={cap_gib:g} sets JAX's pool, and "
                       f"{JAX_FRACTION_VARIABLE}={os.environ[JAX_FRACTION_VARIABLE]} is set too: "

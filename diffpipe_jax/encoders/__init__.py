@@ -155,7 +155,7 @@ class Encoders:
           raise
       torch.cuda.empty_cache()
       how, fallback = fallbacks.pop(0)
-      tqdm.write(f"decoding samples: out of GPU memory beside training; decoding {how} from now on")
+      tqdm.write(f"decoding samples: out of GPU memory beside the transformer; decoding {how} from now on")
       fallback()
 
   def move_vae_to_cpu(self):
