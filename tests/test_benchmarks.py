@@ -1,6 +1,7 @@
 """The GPU benchmark scripts run end to end on a tiny shape (CPU): the benchmark is not a test,
 but a broken benchmark script should not wait for a GPU session to be found."""
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -448,3 +449,29 @@ def test_full_job_reads_step_times_from_the_runs_events_and_rates_from_its_bars(
   lines = list(enumerate(bar(4) + bar(2), start=10))  # a second a line
   assert full_job.bar_rate(dict(lines=lines), "caching latents") == 1.0
   assert full_job.bar_rate(dict(lines=lines), "caching captions") is None
+
+
+@pytest.mark.parametrize("family", sorted(full_job.RECIPES))
+def test_full_job_recipes_name_keys_the_configs_have(family, tmp_path):
+  """Each family's recipe in full_job.py, the file it writes as a user would and its overrides,
+  names keys its config has (a typo would show only on a GPU), and its bare
+  step's shape and modes are train_step.py's."""
+  import importlib
+  import importlib.util
+  recipe = full_job.RECIPES[family]
+  path = tmp_path / "job_config.py"
+  full_job.user_config(str(path), family, "/models", "/data")
+  spec = importlib.util.spec_from_file_location("job_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  assert config.dataset.path == os.path.join("/data", recipe["data"])
+  family_config = importlib.import_module(f"configs.{recipe['config']}").get_config()
+  assert set(recipe["model"]("/models")) <= set(family_config.model)  # update() adds any key
+  for card in recipe["cards"].values():
+    for key in {**recipe["dataset"], **card["overrides"]}:
+      *parents, name = key.split(".")
+      assert name in functools.reduce(getattr, parents, config), key
+    assert card["modes"] in train_step.MODES
+  assert set(recipe["step"]) <= {"model", "res", "width", "frames"}
+  assert recipe["step"]["model"] in train_step.SHAPES
