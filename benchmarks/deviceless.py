@@ -183,7 +183,7 @@ def _abstract_model(a, device, remat):
   from diffpipe_jax.convert import table
 
   fam, shape = family_lib.get(a.model), train_step.SHAPES[a.model](a)
-  config = importlib.import_module(f"configs.{a.model.replace('-', '_')}").get_config("")
+  config = importlib.import_module(f"diffpipe_jax.configs.{a.model.replace('-', '_')}").get_config("")
   config.adapter.rank = a.rank
   module = models.make_module(fam, shape.cfg, jnp.float32 if a.smoke else jnp.bfloat16, None,
                               None if a.smoke else "cudnn", remat, unrolled=True)

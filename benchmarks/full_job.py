@@ -78,7 +78,7 @@ def user_config(path, family, models, data):
   recipe = RECIPES[family]
   with open(path, "w") as f:
     f.write(textwrap.dedent(f'''\
-        from configs import {recipe["config"]} as family
+        from diffpipe_jax.configs import {recipe["config"]} as family
 
 
         def get_config(arg=""):

@@ -150,7 +150,7 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
 
   data, stages, seq = map(int, (layout_name.split("x") + ["1"])[:3])
   fam, shape = family_lib.get(a.model), SHAPES[a.model](a)
-  config = importlib.import_module(f"configs.{a.model.replace('-', '_')}").get_config("")
+  config = importlib.import_module(f"diffpipe_jax.configs.{a.model.replace('-', '_')}").get_config("")
   config.adapter.rank = a.rank
   dtype = jnp.float32 if a.smoke else jnp.bfloat16
   devices = jax.devices()[:data * stages * seq]

@@ -10,7 +10,7 @@ from absl import flags
 from diffpipe_jax import family as family_lib, validate
 from diffpipe_jax.errors import UserError, causes
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")  # shipped in the package
 TOML_CONFIG = os.path.join(CONFIGS, "diffusion_pipe.py")
 
 
@@ -37,8 +37,9 @@ def config_file(argv):
 
 def missing_config_file(path: str) -> str:
   """What to pass instead of a `--config` file that does not exist."""
-  ours = [os.path.join(CONFIGS, f"{name.replace('-', '_')}.py") for name in family_lib.names()]
-  ours = [p if os.path.relpath(p).startswith("..") else os.path.relpath(p) for p in ours]
+  # in a checkout, its configs/ (a link to the package's); elsewhere the installed package's
+  folder = "configs" if os.path.isdir("configs") and os.path.samefile("configs", CONFIGS) else CONFIGS
+  ours = [os.path.join(folder, f"{name.replace('-', '_')}.py") for name in family_lib.names()]
   return (f"--config {path}: no such file; use {', '.join(ours)} (each optionally :tiny) or a "
           "diffusion-pipe training TOML")
 

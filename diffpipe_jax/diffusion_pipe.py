@@ -60,7 +60,7 @@ def family_config(model_type: str, where: str) -> ml_collections.ConfigDict:
   """configs/<model type>.py's default config (the module is named after the type)."""
   if model_type not in family_lib.names():
     raise UserError(f"{where}: [model] type={model_type!r}; known types: {', '.join(family_lib.names())}")
-  return importlib.import_module(f"configs.{model_type.replace('-', '_')}").get_config()
+  return importlib.import_module(f"diffpipe_jax.configs.{model_type.replace('-', '_')}").get_config()
 
 
 def dataset_path(value, key: str, where: str) -> str:

@@ -367,9 +367,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  import sys
-  # configs/ lies beside the package, where main.py finds it from its own folder
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from absl import app, flags
   from ml_collections import config_flags
   from diffpipe_jax.cli import parse_flags

@@ -129,7 +129,7 @@ def jaxpr_equations(jaxpr):
 
 def family_config(name, variant="tiny"):
   """configs/<family>.py's config (`name` is the model.type: "ltx-video" -> ltx_video.py)."""
-  return importlib.import_module(f"configs.{name.replace('-', '_')}").get_config(variant)
+  return importlib.import_module(f"diffpipe_jax.configs.{name.replace('-', '_')}").get_config(variant)
 
 
 @pytest.fixture(scope="session")

@@ -466,7 +466,7 @@ def test_full_job_recipes_name_keys_the_configs_have(family, tmp_path):
   spec.loader.exec_module(module)
   config = module.get_config()
   assert config.dataset.path == os.path.join("/data", recipe["data"])
-  family_config = importlib.import_module(f"configs.{recipe['config']}").get_config()
+  family_config = importlib.import_module(f"diffpipe_jax.configs.{recipe['config']}").get_config()
   assert set(recipe["model"]("/models")) <= set(family_config.model)  # update() adds any key
   for card in recipe["cards"].values():
     for key in {**recipe["dataset"], **card["overrides"]}:

@@ -41,6 +41,15 @@ def test_a_config_file_or_variant_that_does_not_exist_is_one_line(monkeypatch, a
   assert parse_error(monkeypatch, *args) == f"error: {line}"
 
 
+def test_outside_a_checkout_a_missing_config_file_names_the_packages(monkeypatch, tmp_path):
+  """From another directory (an installed package) the configs to use are the package's own."""
+  monkeypatch.chdir(tmp_path)
+  ours = ", ".join(os.path.join(cli.CONFIGS, f) for f in ("flux.py", "hunyuan_video.py", "ltx_video.py"))
+  assert cli.missing_config_file("flx.py") == (
+      f"--config flx.py: no such file; use {ours} (each optionally :tiny) or a diffusion-pipe training TOML")
+  assert all(os.path.isfile(os.path.join(cli.CONFIGS, f)) for f in ("flux.py", "common.py", "diffusion_pipe.py"))
+
+
 WRONG_TYPES = [  # (overrides, the line): the key, the value and what the key takes
     (["--config.adapter.rank=abc"], "--config.adapter.rank=abc: must be an integer >= 1"),
     (["--config.seed=3", "--config.epochs=1.5"], "--config.epochs=1.5: must be an integer >= 1"),

@@ -180,9 +180,12 @@ def test_keys_are_taken_with_diffusion_pipes_meaning_and_defaults(in_tmp):
 
 
 def run_toml(folder, toml, *overrides, devices=1):
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(devices))
-  return subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "--config", toml, *overrides],
-                        env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  """`python -m diffpipe_jax --config TOML` in `folder`, with nothing of the checkout on the path
+  but the installed package: the package is the whole product (its configs included)."""
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  return subprocess.run([sys.executable, "-m", "diffpipe_jax", "--config", toml, *overrides],
+                        env=dict(env, XLA_FLAGS=xla_flags(devices)), cwd=folder,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def metrics(run_dir):

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 from tensorboardX.proto.event_pb2 import Event
 
-from configs import common
+from diffpipe_jax.configs import common
 from diffpipe_jax import metrics
 from diffpipe_jax.errors import UserError
 

@@ -9,7 +9,7 @@ Variants (the part after ':'): "" (FLUX.1-dev, bf16, rank 32) and "tiny" (a rand
 generated on first use with a small synthetic captioned image set). Key names follow
 diffusion-pipe; the shared ones are in configs/common.py.
 """
-from configs import common
+from diffpipe_jax.configs import common
 
 
 def get_config(arg=""):

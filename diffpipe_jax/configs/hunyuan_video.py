@@ -13,7 +13,7 @@ pipeline generated on first use, in diffusers' and Tencent's layouts, with a sma
 set of captioned clips and images). Key names follow diffusion-pipe; the shared ones are in
 configs/common.py. Speed and memory per setting: BENCHMARKS.md.
 """
-from configs import common
+from diffpipe_jax.configs import common
 from diffpipe_jax import tiny as tiny_defaults
 
 
