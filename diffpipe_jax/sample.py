@@ -310,7 +310,7 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   prompt at the config's sample settings unless given. Writes `output_paths(out, ...)`, each
   beside a .txt of its prompt. Returns the paths written."""
   from tqdm import tqdm
-  from diffpipe_jax import device_memory, family as family_lib, models, sharding, train, validate
+  from diffpipe_jax import device_memory, family as family_lib, models, sharding, tiny, validate
   family = family_lib.get(config.model.type)
   validate.check(config, family)
   memory = device_memory.Sharing(config.max_device_memory_gib)  # before JAX's backend starts
@@ -323,7 +323,7 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   f, h, w = size(config)
   frames, height, width = frames or f, height or h, width or w
   paths = output_paths(out, len(texts), frames)
-  path = train.prepare_paths(config, family)
+  path = tiny.checkpoint_path(config, family)
   # the prompts first, their text encoders freed before JAX takes its pool (`device_memory`)
   encoders = family_lib.torch_side(family).load_encoders(config.model)
   prompts = encode_prompts(family, encoders, texts, frames, height, width)

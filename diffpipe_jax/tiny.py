@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from diffpipe_jax import media
+from diffpipe_jax import family as family_lib, media
 
 # Where `generate_tiny` writes the embedded default, and only there: a user's path that does not
 # exist is an error, never a place to write random data into.
@@ -164,3 +164,20 @@ def write_video_dataset(folder, clips=VIDEO_CLIPS, image_sizes=VIDEO_SET_IMAGES)
     write_captioned_image(folder, f"image{i:03d}", pattern(i, w, h),
                           f"a still {COLOURS[i % len(COLOURS)]} pattern, number {i}")
   return folder
+
+
+def checkpoint_path(config, family) -> str:
+  """The transformer's checkpoint path, after `generate_tiny` wrote the missing pieces of the
+  tiny default (the family's pipeline, the image and video sets) to their default paths only."""
+  path = family.checkpoint_path(config.model)
+  if generates(config, path) and not os.path.isfile(os.path.join(path, "model_index.json")):
+    print(f"writing the embedded tiny {family.type} pipeline to {path}")
+    family_lib.torch_side(family).write_tiny_pipeline(path)
+  eval_sets = dict(sizes=((40, 40),), num_images=4)
+  for folder, options in [(config.dataset.path, {})] + [(e.get("path", ""), eval_sets)
+                                                         for e in config.eval_datasets.values()]:
+    if generates(config, folder) and not os.path.isdir(folder):
+      videos = folder == VIDEOS
+      print(f"writing the embedded tiny {'video' if videos else 'image'} set to {folder}")
+      (write_video_dataset if videos else write_image_dataset)(folder, **options)
+  return path

@@ -78,23 +78,6 @@ def use_compilation_cache(directory: str):
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
 
 
-def prepare_paths(config, family) -> str:
-  """The transformer's checkpoint path, after `generate_tiny` wrote the missing pieces of the
-  tiny default (the family's pipeline, the image and video sets) to their default paths only."""
-  path = family.checkpoint_path(config.model)
-  if tiny.generates(config, path) and not os.path.isfile(os.path.join(path, "model_index.json")):
-    print(f"writing the embedded tiny {family.type} pipeline to {path}")
-    family_lib.torch_side(family).write_tiny_pipeline(path)
-  eval_sets = dict(sizes=((40, 40),), num_images=4)
-  for folder, options in [(config.dataset.path, {})] + [(e.get("path", ""), eval_sets)
-                                                         for e in config.eval_datasets.values()]:
-    if tiny.generates(config, folder) and not os.path.isdir(folder):
-      videos = folder == tiny.VIDEOS
-      print(f"writing the embedded tiny {'video' if videos else 'image'} set to {folder}")
-      (tiny.write_video_dataset if videos else tiny.write_image_dataset)(folder, **options)
-  return path
-
-
 def check_adapter(config, family, path):
   """The LoRA's targets less `adapter.exclude_modules` (`lora.select_targets`) and its rank
   (`lora.check_rank`), checked on the checkpoint's shapes before the datasets are cached and the
@@ -303,7 +286,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   # Process 0 writes the tiny default and the caches (a shared filesystem); the others wait for
   # it, then read them. The encoders load their models only when something needs encoding (and
   # for samples the VAE alone, when decoding).
-  path = prepare_paths(config, family) if is_main_process else None
+  path = tiny.checkpoint_path(config, family) if is_main_process else None
   if path is not None:
     check_adapter(config, family, path)
   encoders = family_lib.torch_side(family).load_encoders(config.model)
@@ -315,7 +298,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   memory.training()  # from here JAX's pool, and PyTorch the rest (samples' decoding)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("datasets cached")
-    path = path or prepare_paths(config, family)
+    path = path or tiny.checkpoint_path(config, family)
     cached = cached or cache_datasets(config, family, encoders, regenerate_cache, build=False)
     if sampling_on(config) and prompts is None:
       prompts = encode_sample_prompts(config, family, encoders)  # process 0's, read back
