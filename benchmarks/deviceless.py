@@ -1,7 +1,7 @@
 """A family's unrolled training step, or its sampler's steps, compiled for a GPU that is not here:
 the programs they call, their kernels and the bytes each kernel reads and writes, from XLA's
 optimised HLO. For sessions that get no GPU: what a change does to the copies, concatenations
-and kernel launches can be seen, not timed (BENCHMARKS.md, "No device lent, again").
+and kernel launches can be seen, not timed (BENCHMARKS.md#deviceless).
 
   python benchmarks/deviceless.py --res 512 [--remat block] [--xla_option xla_gpu_dot_merger_threshold_mb=default]
   python benchmarks/deviceless.py --model hunyuan-video --res 512 --frames 33 --top 20

@@ -64,7 +64,8 @@ RECIPES = {
         step=dict(model="hunyuan-video", res=512, frames=33),
         cards={"80": dict(overrides={"model.transformer_dtype": "float8"},
                           modes="fp8 base + per-block remat", swap=0),
-               # 20 swapped peak at 18.4 GiB, over JAX's 18 GiB of a 24 GiB card (BENCHMARKS.md)
+               # 20 swapped peak at 18.4 GiB, over JAX's 18 GiB of a 24 GiB card
+               # (BENCHMARKS.md#hunyuan-step-swap)
                "24": dict(overrides={"model.transformer_dtype": "float8", "blocks_to_swap": 40},
                           modes="fp8 base + per-block remat (unrolled)", swap=40)}),
 }

@@ -21,7 +21,7 @@ run) is its own process, so each peak memory is its own. Useful FLOPs are counte
 count them (forward + input-gradient matmuls of the blocks' Linears, attention x3). A run that
 runs out of device memory reads `OOM` in the table; `-` marks a figure that does not apply.
 `--smoke` runs a tiny shape on the CPU to test the script itself. (Until 2026-12-03 this was
-benchmarks/flux_step.py, Flux only: BENCHMARKS.md's older commands name it.)
+benchmarks/flux_step.py, Flux only: benchmarks/HISTORY.md's older commands name it.)
 """
 import argparse
 import dataclasses

@@ -21,7 +21,7 @@ GIB = 2**30
 
 
 # Each framework's CUDA context, outside its pool or limit: 0.52 GiB measured for PyTorch's alone
-# on an H100 (BENCHMARKS.md, "The whole job at full size"). A real card holds them too, so the cap
+# on an H100 (BENCHMARKS.md#full-job). A real card holds them too, so the cap
 # does: without them the HunyuanVideo job under a 24 GiB cap peaked at 24.03 GiB.
 CONTEXT_BYTES = 0.5 * GIB
 

@@ -7,7 +7,8 @@ programs every layer of a stack shares, and each stretch of work between calls (
 `split` runs the pieces' programs in order; `value_and_grad` runs each piece's forward program
 (which returns its residuals) in order, then the backward programs in reverse. Every program is
 called from Python through jit's own dispatch, so the GPU runs them back to back while Python
-dispatches the next ones ahead (as fast as one program: BENCHMARKS.md).
+dispatches the next ones ahead (as fast as one program: benchmarks/HISTORY.md, "Flux LoRA step:
+the unrolled step split into programs per block").
 
 A block call under `jax.checkpoint` (per-block remat) keeps the residuals its policy saves; an
 input in pinned host memory (a swapped block's frozen weights) is copied to the device a few
@@ -35,14 +36,15 @@ AHEAD = "programs_ahead"  # the checkpoint name of the values computed ahead of 
 # XLA's dot merger joins the matmuls that read one operand into one matmul of the others'
 # concatenation: the Linears that read one input (q, k, v; the MLP's input), whose kernels it
 # copies at every call, and in a backward pass the products of a Linear of parts with one
-# cotangent, whose activations it copies (BENCHMARKS.md, "Sampling and the step" and "No device
-# lent, again"). Off for every program here, and for the scanned training step where the Linears
-# add their biases to their LoRAs' outputs ("The bias beside the LoRA").
+# cotangent, whose activations it copies (BENCHMARKS.md#deviceless; benchmarks/HISTORY.md,
+# "Sampling and the step: the weight copies XLA added"). Off for every program here, and for the
+# scanned training step where the Linears add their biases to their LoRAs' outputs
+# (benchmarks/HISTORY.md, "The bias beside the LoRA, the modulations ahead").
 WITHOUT_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
 # How every program compiles: without the dot merger, and without XLA's CUDA graphs (command
 # buffers): a program runs once per layer, each time on other buffers, and a graph is updated for
 # new buffers at each call, which costs the host more than the kernel launches it saves
-# (BENCHMARKS.md, issue 26).
+# (benchmarks/HISTORY.md, "Flux LoRA step: fewer kernels and arrays between the block programs").
 JIT_OPTIONS = dict(compiler_options={"xla_gpu_enable_command_buffer": "", **WITHOUT_DOT_MERGER})
 
 
@@ -68,7 +70,8 @@ def keeps_for_backward(prim, *_, **params) -> bool:
   outputs; recompute the elementwise work between them in the backward program (as XLA does by
   fusion within one program). Keeping every matmul's output would keep a LoRA Linear's output
   twice (its base and LoRA parts, before they are summed): more memory, and more arrays between
-  programs, each costing host time (BENCHMARKS.md)."""
+  programs, each costing host time (benchmarks/HISTORY.md, "Flux LoRA step: fewer kernels and
+  arrays between the block programs")."""
   return ((prim.name == "name" and params.get("name") == KEPT)
           or prim.name.startswith("dot_product_attention_fwd"))
 
@@ -290,8 +293,9 @@ class _Differentiated:
     return [None if k is None else ins[k] for k in self.kept_at]
 
 
-# A swapped block's weights take a few times its forward pass to copy (BENCHMARKS.md): the
-# copy starts this many programs before the program that reads them ...
+# A swapped block's weights take a few times its forward pass to copy
+# (BENCHMARKS.md#flux-host-copy): the copy starts this many programs before the program that
+# reads them ...
 COPY_AHEAD = 6
 # ... once the program this many before the current one has finished, since Python runs far
 # ahead of the device: the device holds the copies of at most COPY_AHEAD + COPY_WAIT programs.

@@ -101,7 +101,7 @@ def step_fn(model, model_config, guidance: float, pipeline=None, split=False,
       v = uncond + guidance * (cond - uncond)
     return sequence.whole(x + (sigma_next - sigma) * v)  # as it came: the next step's input
   # A modulation reads its whole kernel for one row a step: computed ahead, it reads it once for
-  # all the steps (BENCHMARKS.md, "Sampling: joined kernels, the gaps, the modulations").
+  # all the steps (BENCHMARKS.md#kernels: a modulation of 28 rows takes the time of one).
   loop = programs.ahead_of_calls(step, carried=3, varying=(4, 5), jit_options=jit_options)
   return Steps(loop.values, programs.split(loop.call, jit_options) if split
                else jax.jit(loop.call, **jit_options))

@@ -43,11 +43,12 @@ SWAP_NEEDS_ONE_STAGE = "blocks_to_swap needs pipeline_stages=1 (a pipeline alrea
 
 
 def unrolled_or_default(unrolled: Optional[bool], remat: str, pipelined: bool, swapped: bool) -> bool:
-  """`unrolled` as set, or where it is None the faster mode of the run (BENCHMARKS.md, "Scanned
-  or unrolled"): unrolled on one stage without remat (the scan would stack every block's
-  residuals) or with swapped blocks (their copies hidden per layer); otherwise scanned, which a
-  pipeline and "block_offload" need, and which with per-block remat is as fast or faster (its
-  one program is GPU-bound, where the unrolled step's per-block programs wait on the host)."""
+  """`unrolled` as set, or where it is None the faster mode of the run
+  (BENCHMARKS.md#scanned-or-unrolled): unrolled on one stage without remat (the scan would stack
+  every block's residuals) or with swapped blocks (their copies hidden per layer); otherwise
+  scanned, which a pipeline and "block_offload" need, and which with per-block remat is as fast
+  or faster (its one program is GPU-bound, where the unrolled step's per-block programs wait on
+  the host)."""
   if unrolled is not None:
     return unrolled
   return not pipelined and remat != "block_offload" and (remat == "none" or swapped)
@@ -66,7 +67,8 @@ def unrolled_for(config) -> bool:
 def kernels_in_place(remat: str, unrolled: bool) -> bool:
   """Whether the Linears are written so that their matmuls read the scanned layers' kernels in
   place (`layers.Linear`): in the scanned step that keeps none of a block's matmul outputs,
-  "block" (measured: BENCHMARKS.md, "The bias beside the LoRA" and "Every kernel read in place";
+  "block" (measured: BENCHMARKS.md#flux-step-remat; the trials: benchmarks/HISTORY.md, "The bias
+  beside the LoRA, the modulations ahead" and "Every kernel read in place";
   "block_offload" keeps none either, but has not been measured)."""
   return remat == "block" and not unrolled
 
@@ -122,7 +124,8 @@ class LayerArrays:
   layer's matmuls then read their operands in place, as arguments of the step, and every layer
   runs the same programs: a static slice of a stacked weight fuses into the matmul that reads
   it, making each layer's matmul a program of its own, autotuned on its own (much longer
-  compiles at full size: BENCHMARKS.md)."""
+  compiles at full size: benchmarks/HISTORY.md, "Flux LoRA step: unrolled layers stored per
+  layer")."""
   arrays: tuple
 
 
@@ -258,7 +261,8 @@ def run_scanned(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=
 def run_unrolled(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=None):
   """x through the layers of `stack` by a Python loop of `block_program` calls, each under
   `remat`: each layer's residuals are buffers of their own rather than slices of stacked ones
-  that a scan fills and copies back out (BENCHMARKS.md: the unrolled step). Its weights and
+  that a scan fills and copies back out (BENCHMARKS.md#flux-step-no-remat: scanned and
+  unrolled). Its weights and
   LoRA are best stored per layer (`LayerArrays`). Jitted whole, this is a program of every
   layer, slow to compile at full size: the trainer runs it split into programs per block
   (`programs`), where each block's backward program recomputes it (jitted whole, XLA is free to

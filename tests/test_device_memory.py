@@ -1,6 +1,6 @@
 """How JAX and PyTorch share a GPU (`device_memory`): the fractions that keep both within
 `max_device_memory_gib`. (On the CPU there is no pool to share: the full-size job on a GPU,
-benchmarks/full_job.py --card 24, checks it; BENCHMARKS.md has its figures.)"""
+benchmarks/full_job.py --card 24, checks it; BENCHMARKS.md#full-job has its figures.)"""
 import os
 
 import pytest

@@ -11,7 +11,7 @@
 Variants (the part after ':'): "" (bf16, rank 32) and "tiny" (a random tiny HunyuanVideo
 pipeline generated on first use, in diffusers' and Tencent's layouts, with a small synthetic
 set of captioned clips and images). Key names follow diffusion-pipe; the shared ones are in
-configs/common.py. Speed and memory per setting: BENCHMARKS.md.
+configs/common.py. Speed and memory per setting: BENCHMARKS.md#hunyuan.
 """
 from diffpipe_jax.configs import common
 from diffpipe_jax import tiny as tiny_defaults

@@ -53,7 +53,8 @@ class Linear(Module):
   float8 with a per-output-channel `kernel_scale` (`quantize_float8`); its matmul then runs
   in float8 (`float8_matmul`). Its input is an array or a list of arrays, taken as their
   concatenation on the last axis, which is then never written out (`matmul_of_parts`: the
-  single-stream blocks' output Linear, BENCHMARKS.md "Sampling"). `lora_down`: its LoRA's down
+  single-stream blocks' output Linear, benchmarks/HISTORY.md "Sampling and the step: the weight
+  copies XLA added"). `lora_down`: its LoRA's down
   projection of x where the caller computed it (`linears_of_one_input`).
   """
   features: int
@@ -85,8 +86,8 @@ class Linear(Module):
     # unless it has no epilogue (a bias, or a GELU that follows) and an addend that the step does
     # not keep: so, where the scanned step keeps no matmul output (`stacks.kernels_in_place`), the
     # bias joins the LoRA's output, the matmul's addend, and the sum is fenced off from what
-    # follows; where the step keeps them, that placement copies more (BENCHMARKS.md, "The bias
-    # beside the LoRA" and "Every kernel read in place").
+    # follows; where the step keeps them, that placement copies more (benchmarks/HISTORY.md, "The
+    # bias beside the LoRA, the modulations ahead" and "Every kernel read in place").
     if self.kernels_in_place:
       return programs.keep(jax.lax.optimization_barrier(y + (lora_out + bias)))
     return programs.keep(y + bias + lora_out)
@@ -201,8 +202,8 @@ class RMSNorm(Module):
     x32 = x.astype(jnp.float32)
     # The scale is made on its own (one float per row), not fused with the multiply into one
     # normalising kernel: the multiply then fuses into the kernel of what follows (RoPE), so
-    # the normalised q and k are not written out in float32 and read back (BENCHMARKS.md,
-    # "Sampling").
+    # the normalised q and k are not written out in float32 and read back (benchmarks/HISTORY.md,
+    # "Sampling and the step: the weight copies XLA added").
     scale = jax.lax.optimization_barrier(
         jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps))
     return (x32 * scale * weight.astype(jnp.float32)).astype(self.dtype)
@@ -283,7 +284,8 @@ def apply_rope(x, rope):
   cos, sin = (t[None, :, None] if t.ndim == 2 else t[None] for t in rope)
   x32 = x.astype(jnp.float32)
   # each pair (a, b) -> (-b, a): the pair reversed, its first element negated (a stack of -b
-  # and a makes XLA's norm-and-RoPE fusion slower: BENCHMARKS.md, "RoPE by reversal")
+  # and a makes XLA's norm-and-RoPE fusion slower: benchmarks/HISTORY.md, "Sampling: RoPE by
+  # reversal")
   pairs = x32.reshape(*x.shape[:-1], -1, 2)
   rotated = (pairs[..., ::-1] * np.array([-1, 1], np.float32)).reshape(x.shape)
   return (x32 * cos + rotated * sin).astype(x.dtype)

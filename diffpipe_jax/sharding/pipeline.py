@@ -44,7 +44,8 @@ from diffpipe_jax import stacks as stacks_lib
 from diffpipe_jax.errors import UserError
 
 # The cost of a tick beyond its layers (transfers, buffer updates, loop), in layers; chosen by
-# measurement on 2 H200s (BENCHMARKS.md, the pipeline's tick overhead).
+# measurement on 2 H200s (BENCHMARKS.md#flux-multi-gpu; the trials: benchmarks/HISTORY.md,
+# "Flux LoRA step on 2 GPUs: data and pipeline parallelism").
 TICK_OVERHEAD = 0.05
 
 
