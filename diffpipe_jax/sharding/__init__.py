@@ -63,14 +63,19 @@ def _path_name(path) -> str:
 def tree_shardings(mesh: Mesh, tree, rules=param_rules((), False)):
   """A NamedSharding for every leaf of `tree` from `rules`; a leaf no rule covers is an error.
   The `pinned_host` layers of a `Swapped` weight are placed in that memory."""
-  def spec(path, _):
+  def spec(path, memory_kind=None):
     name = _path_name(path)
-    memory_kind = "pinned_host" if re.fullmatch(r".*/pinned_host/\d+", name) else None
     for pattern, s in rules:
       if re.fullmatch(pattern, name):
         return NamedSharding(mesh, s, memory_kind=memory_kind)
     raise ValueError(f"no sharding rule covers {name}")
-  return jax.tree_util.tree_map_with_path(spec, tree)
+
+  def place(path, node):
+    if not isinstance(node, Swapped):
+      return spec(path)
+    device = jax.tree_util.tree_map_with_path(lambda p, _: spec(path + p), node.device)
+    return Swapped(device, tuple(spec(path, "pinned_host") for _ in node.pinned_host))
+  return jax.tree_util.tree_map_with_path(place, tree, is_leaf=lambda x: isinstance(x, Swapped))
 
 
 @dataclasses.dataclass(frozen=True)
