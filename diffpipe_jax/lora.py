@@ -267,6 +267,6 @@ def in_dtype(adapter, dtype):
   """The adapter's arrays in `dtype`. In the compute dtype, a model computes with it as with
   the original (each Linear converts its LoRA to that dtype, the gradient too) without a
   conversion per array: under a program per block, each conversion is a kernel launched from
-  the host, thousands a step (benchmarks/HISTORY.md, "Flux LoRA step: fewer kernels and arrays
+  the host, thousands a step (benchmarks/HISTORY.md, "LoRA step: fewer kernels and arrays
   between the block programs")."""
   return jax.tree.map(lambda a: a.astype(dtype), adapter)

@@ -7,7 +7,7 @@ programs every layer of a stack shares, and each stretch of work between calls (
 `split` runs the pieces' programs in order; `value_and_grad` runs each piece's forward program
 (which returns its residuals) in order, then the backward programs in reverse. Every program is
 called from Python through jit's own dispatch, so the GPU runs them back to back while Python
-dispatches the next ones ahead (as fast as one program: benchmarks/HISTORY.md, "Flux LoRA step:
+dispatches the next ones ahead (as fast as one program: benchmarks/HISTORY.md, "LoRA step:
 the unrolled step split into programs per block").
 
 A block call under `jax.checkpoint` (per-block remat) keeps the residuals its policy saves; an
@@ -44,7 +44,7 @@ WITHOUT_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
 # How every program compiles: without the dot merger, and without XLA's CUDA graphs (command
 # buffers): a program runs once per layer, each time on other buffers, and a graph is updated for
 # new buffers at each call, which costs the host more than the kernel launches it saves
-# (benchmarks/HISTORY.md, "Flux LoRA step: fewer kernels and arrays between the block programs").
+# (benchmarks/HISTORY.md, "LoRA step: fewer kernels and arrays between the block programs").
 JIT_OPTIONS = dict(compiler_options={"xla_gpu_enable_command_buffer": "", **WITHOUT_DOT_MERGER})
 
 
@@ -70,7 +70,7 @@ def keeps_for_backward(prim, *_, **params) -> bool:
   outputs; recompute the elementwise work between them in the backward program (as XLA does by
   fusion within one program). Keeping every matmul's output would keep a LoRA Linear's output
   twice (its base and LoRA parts, before they are summed): more memory, and more arrays between
-  programs, each costing host time (benchmarks/HISTORY.md, "Flux LoRA step: fewer kernels and
+  programs, each costing host time (benchmarks/HISTORY.md, "LoRA step: fewer kernels and
   arrays between the block programs")."""
   return ((prim.name == "name" and params.get("name") == KEPT)
           or prim.name.startswith("dot_product_attention_fwd"))

@@ -124,7 +124,7 @@ class LayerArrays:
   layer's matmuls then read their operands in place, as arguments of the step, and every layer
   runs the same programs: a static slice of a stacked weight fuses into the matmul that reads
   it, making each layer's matmul a program of its own, autotuned on its own (much longer
-  compiles at full size: benchmarks/HISTORY.md, "Flux LoRA step: unrolled layers stored per
+  compiles at full size: benchmarks/HISTORY.md, "LoRA step: unrolled layers stored per
   layer")."""
   arrays: tuple
 

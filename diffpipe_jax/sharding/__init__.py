@@ -27,7 +27,7 @@ from diffpipe_jax.stacks import (SWAP_NEEDS_ONE_STAGE, LayerArrays, Swapped, lay
 AXES = ("data", "stage", sequence.AXIS)
 # The state's entries that stay stacked in the unrolled layout: the update, one program, reads it
 # whole, and per-layer arrays would make that call thousands of arrays long, each costing host
-# time a step (benchmarks/HISTORY.md, "Flux LoRA step: fewer kernels and arrays between the
+# time a step (benchmarks/HISTORY.md, "LoRA step: fewer kernels and arrays between the
 # block programs").
 STACKED_WHEN_UNROLLED = ("opt_state",)
 

@@ -45,7 +45,7 @@ from diffpipe_jax.errors import UserError
 
 # The cost of a tick beyond its layers (transfers, buffer updates, loop), in layers; chosen by
 # measurement on 2 H200s (BENCHMARKS.md#flux-multi-gpu; the trials: benchmarks/HISTORY.md,
-# "Flux LoRA step on 2 GPUs: data and pipeline parallelism").
+# "LoRA step on 2 GPUs: data and pipeline parallelism").
 TICK_OVERHEAD = 0.05
 
 
