@@ -12,7 +12,7 @@ Needs jax's CUDA plugin (`pip install "jax[cuda13]"`), not a GPU: XLA compiles f
 the fusions and copies are the device's and the matmul algorithms are not. What is compiled is
 traced at the released shape (`train_step.SHAPES`) without allocating it: the gradient's
 programs of one training step (`update.grad_fn`, one micro-batch; the optimizer update, one
-program without matmuls, is left out), or `sample.denoise` of `--sample` steps as
+program without matmuls, is left out), or `sampling.denoise` of `--sample` steps as
 `sample_steps.py` runs it. Bytes are each kernel's operands and results (of an operand that a
 fusion only slices, the slices); the floor is those bytes at `--tb_per_s` or the matmuls' FLOPs
 at `--tflops`, whichever takes longer (attention: its bytes only), a bound to rank kernels by,
@@ -211,16 +211,16 @@ def training_step(a, device):
 
 
 def sampling(a, device):
-  """(`sample.denoise` of `--sample` steps of the base model, as `sample_steps.py` runs it, its
+  """(`sampling.denoise` of `--sample` steps of the base model, as `sample_steps.py` runs it, its
   arguments: the weights)."""
   from benchmarks import sample_steps
-  from diffpipe_jax import sample
+  from diffpipe_jax import sampling
 
   model, *_ = _abstract_model(a, device, "none")
   _, conditioning, uncond, noise, tokens = sample_steps.inputs(a)
   model_config = sample_steps.sampling_config(a)
-  steps = sample.step_fn(model, model_config, a.guidance, split=True, jit_options={})
-  return (lambda params: sample.denoise(model, params, None, model_config, conditioning, noise,
+  steps = sampling.step_fn(model, model_config, a.guidance, split=True, jit_options={})
+  return (lambda params: sampling.denoise(model, params, None, model_config, conditioning, noise,
                                         (tokens,), a.sample, a.guidance, uncond=uncond, step=steps),
           (model.params,))
 

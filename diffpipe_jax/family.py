@@ -54,7 +54,7 @@ class SingleFile:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
-  """How the family's diffusers pipeline samples (`diffpipe_jax.sample`): `scheduler(cfg)`, the
+  """How the family's diffusers pipeline samples (`diffpipe_jax.sampling`): `scheduler(cfg)`, the
   released FlowMatchEulerDiscreteScheduler config (a diffusers folder's own wins); its pipeline's
   sigmas before the shift: N from 1 to 1/N (Flux, LTX-Video) or N + 1 from 1 to 0 without the
   last (`to_zero`, HunyuanVideo); how guidance enters: "embedded" (the guidance embedding, as

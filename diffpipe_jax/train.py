@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from diffpipe_jax import (checkpoint, data, device_memory, errors, lora, media, models, optim,
-                          sample, sequence, sharding, stacks, tiny, validate)
+                          sampling, sequence, sharding, stacks, tiny, validate)
 from diffpipe_jax import family as family_lib, metrics as metrics_lib
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.update import EVAL_QUANTILES, init_state, make_eval, make_step
@@ -120,8 +120,8 @@ def sampling_on(config) -> bool:
 def encode_sample_prompts(config, family, encoders):
   """The sample prompts at the sample size, encoded once (kept in output_dir/.sample_prompts/, beside
   the runs, for the next run, a resume and the other processes)."""
-  return sample.encode_prompts(family, encoders, sample.prompt_lines(config.sample_prompts),
-                               *sample.size(config),
+  return sampling.encode_prompts(family, encoders, sampling.prompt_lines(config.sample_prompts),
+                               *sampling.size(config),
                                cache_dir=os.path.join(config.output_dir, ".sample_prompts"))
 
 
@@ -402,23 +402,23 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
           f"{name}/loss_quantile_{q:.2f}": v for q, v in zip(EVAL_QUANTILES, losses)}}, examples=examples)
       tqdm.write(f"eval {name} at step {step}: loss {losses.mean():.4f}")
 
-  sample_steps, sample_guidance = sample.defaults(family, config)
-  sample_step = prompts and sample.step_fn(model, config.model, sample_guidance, layout.pipeline,
+  sample_steps, sample_guidance = sampling.defaults(family, config)
+  sample_step = prompts and sampling.step_fn(model, config.model, sample_guidance, layout.pipeline,
                                            split=layout.unrolled)
 
   def run_samples(step):
     """Each sample prompt drawn with the LoRA as it is, to <run>/samples/step<N>/ (process 0)."""
-    latents = sample.draw(model, params, state["lora"], config.model, prompts, sample_steps,
+    latents = sampling.draw(model, params, state["lora"], config.model, prompts, sample_steps,
                           sample_guidance, config.sample_seed, rows=data_parallel,
                           step=sample_step, place=functools.partial(sharding.whole_rows, mesh))
     if is_main_process:
       folder = os.path.join(run_dir, "samples", f"step{step}")
       with space_for(f"the samples in {folder}"):
-        written = sample.write(encoders, latents, prompts,
-                               sample.folder_paths(folder, len(prompts.texts), prompts.frames),
+        written = sampling.write(encoders, latents, prompts,
+                               sampling.folder_paths(folder, len(prompts.texts), prompts.frames),
                                encoders.frame_rate or 24)
       for i, (_, pixels) in enumerate(written):
-        metrics.image(step, f"samples/{i:02d}", sample.preview(pixels), examples=examples)
+        metrics.image(step, f"samples/{i:02d}", sampling.preview(pixels), examples=examples)
       tqdm.write(f"samples at step {step}: {folder}")
 
   def last_good_checkpoint():

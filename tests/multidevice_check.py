@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 
 from conftest import family_config  # noqa: E402
 from tolerances import assert_close  # noqa: E402
-from diffpipe_jax import family as family_lib, lora, models, optim, sample, sequence, sharding, update  # noqa: E402
+from diffpipe_jax import family as family_lib, lora, models, optim, sampling, sequence, sharding, update  # noqa: E402
 
 
 def parse_layouts(text):
@@ -96,9 +96,9 @@ def sampled(fam, model, config, layout, adapter, steps=3):
   noise = batch.pop("latents")
   uncond = {k: v[:1] for k, v in batch.items() if k != "position_ids"}
   compiles = []
-  latents = sample.denoise(
+  latents = sampling.denoise(
       model, model.params, layout.create(lambda a: a, adapter), config.model, batch, noise, (16,), steps,
-      4.0, uncond, sample.step_fn(model, config.model, 4.0, layout.pipeline, split=layout.unrolled),
+      4.0, uncond, sampling.step_fn(model, config.model, 4.0, layout.pipeline, split=layout.unrolled),
       functools.partial(sharding.whole_rows, layout.mesh), lambda i: compiles.append(len(COMPILES)))
   assert compiles[0] == compiles[-1], COMPILES[compiles[0]:]
   return np.asarray(latents)

@@ -12,7 +12,7 @@ import torch
 
 from conftest import FAMILIES, diffusers_hidden_size, family_config, jaxpr_equations, load_encoders
 from tolerances import LORA_PARITY, assert_close, rel_err
-from diffpipe_jax import family as family_lib, lora, models, programs, sample, sharding
+from diffpipe_jax import family as family_lib, lora, models, programs, sample, sampling, sharding
 
 # a size of a few latent tokens per family: (frames, height, width) in pixels
 SIZES = {"flux": (1, 32, 48), "ltx-video": (9, 64, 96), "hunyuan-video": (5, 32, 48)}
@@ -45,7 +45,7 @@ def test_sigmas_are_the_schedulers(pipeline_folder):
           / (released["max_image_seq_len"] - released["base_image_seq_len"]) + released["base_shift"]
           if released.get("use_dynamic_shifting") else None)
     scheduler.set_timesteps(sigmas=base, mu=mu)
-    np.testing.assert_allclose(sample.sigmas(released, steps, tokens, fam.sampling.to_zero),
+    np.testing.assert_allclose(sampling.sigmas(released, steps, tokens, fam.sampling.to_zero),
                                scheduler.sigmas.numpy(), rtol=1e-6, atol=1e-7)
 
 
@@ -78,8 +78,8 @@ def test_latents_equal_the_diffusers_pipeline_with_a_lora(pipeline_folder, tmp_p
   adapter = jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(jax.random.key(i), x.shape)
                                       for i, x in enumerate(leaves)])
   steps, guidance = 4, 4.5
-  step = sample.step_fn(model, model_config, guidance)  # compiled once: the base is B = 0
-  ours, base = (sample.denoise(model, model.params, a, model_config, conditioning, noise, grid, steps,
+  step = sampling.step_fn(model, model_config, guidance)  # compiled once: the base is B = 0
+  ours, base = (sampling.denoise(model, model.params, a, model_config, conditioning, noise, grid, steps,
                                guidance, uncond=uncond, step=step)
                 for a in (adapter, jax.tree.map(jnp.zeros_like, adapter)))
 
@@ -130,12 +130,12 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
   uncond = {k: v[:1] for k, v in batch.items() if k != "position_ids"}
   calls = []  # the arguments of each call of `ahead` and `step`
   record = lambda fn: lambda *a: calls.append(a) or fn(*a)
-  draw = lambda model, steps: np.asarray(sample.denoise(
+  draw = lambda model, steps: np.asarray(sampling.denoise(
       model, model.params, None, model_config, batch, noise, (16,), 3, 4.0, uncond, steps))
 
   scanned = models.load(name, path, progress=False)
-  steps = sample.step_fn(scanned, model_config, 4.0)
-  latents = draw(scanned, sample.Steps(record(steps.ahead), record(steps.step)))
+  steps = sampling.step_fn(scanned, model_config, 4.0)
+  latents = draw(scanned, sampling.Steps(record(steps.ahead), record(steps.step)))
   (_, params, rows, x, *_), step_args = calls[:2]
   marked = lambda closed: sum(e.params.get("name") == programs.AHEAD
                               for e in jaxpr_equations(closed.jaxpr))
@@ -148,11 +148,11 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
   layout = sharding.make_layout(sharding.make_mesh(1, jax.devices()[:1]), fam.stacks(cfg), 1,
                                 unrolled=True)
   unrolled = models.load(name, path, unrolled=True, layout=layout, progress=False)
-  split = sample.step_fn(unrolled, model_config, 4.0, split=True)
-  assert_close(draw(unrolled, sample.Steps(record(split.ahead), record(split.step))), latents)
+  split = sampling.step_fn(unrolled, model_config, 4.0, split=True)
+  assert_close(draw(unrolled, sampling.Steps(record(split.ahead), record(split.step))), latents)
   # ... whose layers still share their stack's program
   blocks = [e.params["jaxpr"] for e in jaxpr_equations(
-      sample.step_fn(unrolled, model_config, 4.0).step.trace(*calls[-1]).jaxpr) if programs.block_call(e)]
+      sampling.step_fn(unrolled, model_config, 4.0).step.trace(*calls[-1]).jaxpr) if programs.block_call(e)]
   assert len(blocks) == sum(n for _, n, _ in fam.stacks(cfg))
   assert len(set(map(id, blocks))) == len(fam.stacks(cfg))
 
@@ -253,11 +253,11 @@ def test_a_lora_scale_that_is_not_a_number_is_one_line(tmp_path):
 def test_a_sample_size_the_vae_cannot_take_is_one_line():
   import types
   video = types.SimpleNamespace(pixel_multiple=16, frames_per_latent=4)
-  assert sample.checked_size(video, 33, 32, 48) == (33, 32, 48)
+  assert sampling.checked_size(video, 33, 32, 48) == (33, 32, 48)
   with pytest.raises(ValueError, match=r"^sample size: width 40 is not a multiple of 16; frames 6 is not 1 \+ 4k$"):
-    sample.checked_size(video, 6, 32, 40)
+    sampling.checked_size(video, 6, 32, 40)
   with pytest.raises(ValueError, match="this family draws images: frames must be 1, not 5"):
-    sample.checked_size(types.SimpleNamespace(pixel_multiple=16, frames_per_latent=None), 5, 32, 32)
+    sampling.checked_size(types.SimpleNamespace(pixel_multiple=16, frames_per_latent=None), 5, 32, 32)
 
 
 def test_decoding_short_of_gpu_memory_tiles_then_moves_to_the_cpu(pipeline_folder, monkeypatch):

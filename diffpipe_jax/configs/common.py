@@ -135,7 +135,7 @@ def base(model_type: str) -> ml_collections.ConfigDict:
   c.eval_every_n_examples = 0
   c.eval_before_first_step = True
 
-  # Samples (diffpipe_jax.sample): each prompt drawn with the LoRA being trained, prompt i from
+  # Samples (diffpipe_jax.sampling): each prompt drawn with the LoRA being trained, prompt i from
   # noise of seed sample_seed + i every time, to <run>/samples/step<N>/ and TensorBoard. Off
   # until prompts and an interval are set.
   c.sample_prompts = ()  # prompts; an entry naming a .txt file stands for its lines
