@@ -1,74 +1,24 @@
-"""LoRA training of any model family: `run(config)` is the whole job (data, model, state, the
-update of `update.py`, evals, saves, the loop), and what `main.py` calls after its flags."""
+"""LoRA training of any model family: `run(config)` is the whole job, what the training command
+calls after its flags: `prepare` (the config checked, the data cached, the mesh, the model, the
+state and its step) makes a `loop.Run`, and `loop.loop` trains it."""
 import contextlib
 import dataclasses
 import functools
-import itertools
 import json
 import os
-import shutil
-import signal
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from tqdm.auto import tqdm
 
-from diffpipe_jax import (checkpoint, data, device_memory, errors, lora, media, models, optim,
+from diffpipe_jax import (checkpoint, data, device_memory, errors, lora, loop, media, models, optim,
                           sampling, sequence, sharding, stacks, tiny, validate)
 from diffpipe_jax import family as family_lib, metrics as metrics_lib
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.update import EVAL_QUANTILES, init_state, make_eval, make_step
+from diffpipe_jax.update import init_state, make_step
 
 COMPILATION_CACHE_BYTES = 16 * 2**30  # beyond this, the least recently used programs go
-DIVERGENCE_BASELINE_STEPS = 10  # a later loss ten times these steps' median warns
-ABORTED_EXIT_CODE = 128 + signal.SIGINT  # a shell's status of a process that Ctrl-C ended
-
-
-def every(step: int, n: int) -> bool:
-  """Whether a periodic action set to every `n` (steps or epochs; 0: never) is due at `step`."""
-  return bool(n) and step % n == 0
-
-
-class StopRequests:
-  """SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption) ask the run to stop after the
-  current step, with a checkpoint; a second SIGINT aborts at once: the process prints
-  `on_abort()`'s line and exits as a kill would (checkpoints and exports are written whole or
-  not at all), without waiting for the step: an exit that unwinds waits for an XLA compilation
-  in progress, seconds, then crashed at teardown. Once a stop is asked, the handler stays until
-  the process exits, so that a Ctrl-C while it winds down aborts quietly too. On several
-  processes the signal may reach one of them: `requested` is every process's answer (all save
-  together)."""
-
-  SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-  def __init__(self, on_abort):
-    self.received, self.on_abort = None, on_abort
-    self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-
-  def _handle(self, signum, frame):
-    if self.received is not None and signum == signal.SIGINT:
-      # os.write: the code the signal interrupted may be inside a print
-      os.write(sys.stderr.fileno(), f"\nerror: {self.on_abort()}\n".encode())
-      os._exit(ABORTED_EXIT_CODE)
-    self.received = signal.Signals(signum).name
-    print(f"\n{self.received}: stopping after this step with a checkpoint (Ctrl-C again to abort now)",
-          flush=True)
-
-  def requested(self) -> bool:
-    asked = self.received is not None
-    if jax.process_count() > 1:
-      asked = bool(multihost_utils.process_allgather(np.asarray(asked)).any())
-    return asked
-
-  def restore(self):
-    """The handlers from before, unless a stop was asked (see above)."""
-    if self.received is None:
-      for s, handler in self.previous.items():
-        signal.signal(s, handler)
 
 
 def use_compilation_cache(directory: str):
@@ -94,11 +44,6 @@ def eval_settings(train_settings, entry):
   if entry.get("toml_path"):
     return data.dataset_settings(dict(toml_path=entry.toml_path))
   return dataclasses.replace(train_settings, directories=(media.DirectorySettings(path=entry.path),))
-
-
-def crossed(before: int, after: int, n: int) -> bool:
-  """Whether a count went past a multiple of `n` (0: never) from `before` to `after`."""
-  return bool(n) and after // n > before // n
 
 
 def cache_datasets(config, family, encoders, regenerate, build=True):
@@ -134,21 +79,9 @@ def split_cost(split, balanced) -> str:
           "DeepSpeed's, no split gives one GPU fewer weights than another")
 
 
-def eval_weights(params, config, layout):
-  """The frozen weights the evals use: with `disable_block_swap_for_eval`, swapped layers copied
-  to the device for their duration (faster evals, while the memory is there)."""
-  swapped = config["disable_block_swap_for_eval"] and layout.swap
-  return stacks.to_device(params) if swapped else params
-
-
 def schedule(dataset) -> str:
   return (f"global batches {sorted(set(map(dataset.batch_size, dataset.groups)))}; "
           f"{dataset.steps_per_epoch} steps an epoch")
-
-
-def split_micro_batches(batch, n: int) -> list:
-  """A loaded batch of `n` consecutive micro-batches (`data.Batches.load`) -> the `n` of them."""
-  return [jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:])[a], batch) for a in range(n)]
 
 
 def from_process_0(text: str) -> str:
@@ -158,12 +91,6 @@ def from_process_0(text: str) -> str:
   buf = np.zeros(1024, np.uint8)
   buf[:len(text.encode())] = np.frombuffer(text.encode(), np.uint8)
   return bytes(multihost_utils.broadcast_one_to_all(buf)).rstrip(b"\0").decode()
-
-
-def peak_device_memory_gib():
-  """Peak memory of the first local device so far (None where the backend does not report it)."""
-  stats = jax.local_devices()[0].memory_stats()
-  return stats["peak_bytes_in_use"] / 2**30 if stats and "peak_bytes_in_use" in stats else None
 
 
 def out_of_memory_advice(config) -> str:
@@ -200,22 +127,6 @@ def check_resumable(run_dir: str, ckpt, config, abstract_state):
                   "continues from an exported LoRA)")
 
 
-def divergence(loss: float, grad_norm: float, first_losses: list) -> str | None:
-  """Why a finite step looks diverged, or None: a gradient norm of 0 (the LoRA stopped
-  learning), or a loss ten times its first steps' median."""
-  if grad_norm == 0:
-    return "the gradient norm is 0: the LoRA has stopped learning"
-  if len(first_losses) == DIVERGENCE_BASELINE_STEPS and loss > 10 * np.median(first_losses):
-    return f"the loss ({loss:.4g}) is over 10x its first steps' median ({np.median(first_losses):.4g})"
-  return None
-
-
-def planned_steps(config, steps_per_epoch: int) -> int:
-  """The steps a run trains in all: its epochs', or fewer where max_steps stops it early."""
-  steps = config.epochs * steps_per_epoch
-  return min(steps, config.max_steps) if config.max_steps else steps
-
-
 def check_unfinished(run_dir: str, meta: dict, config):
   """Refuses to resume a run whose checkpoint is at or past its planned steps, its LoRA exported
   there (it would train nothing), naming the limits it reached and what extends it. max_steps
@@ -224,7 +135,7 @@ def check_unfinished(run_dir: str, meta: dict, config):
   (it is a function of the total, not saved state)."""
   step, per_epoch = meta["step"], meta["steps_per_epoch"]
   exports = [f"step{step}"] + ([f"epoch{step // per_epoch}"] if step % per_epoch == 0 else [])
-  if step < planned_steps(config, per_epoch) or not any(
+  if step < loop.planned_steps(config, per_epoch) or not any(
       os.path.isdir(os.path.join(run_dir, name)) for name in exports):  # (a full disk): export it
     return
   reached, extend = [], []
@@ -251,15 +162,20 @@ def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
   A user's mistake (and the device running out of memory) raises `UserError`."""
   try:
     with contextlib.ExitStack() as on_exit:  # the run directory's lock, until the run returns
-      return train(config, resume, cache_only, regenerate_cache, on_exit)
+      prepared = prepare(config, on_exit, resume, cache_only, regenerate_cache)
+      return prepared and loop.loop(prepared)
   except Exception as e:
     if errors.out_of_memory(e) and not isinstance(e, UserError):
       raise UserError(out_of_memory_advice(config)) from e
     raise
 
 
-def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.ExitStack):
-  """`run`'s body; `on_exit` holds what must be released when it returns or raises."""
+def prepare(config, on_exit: contextlib.ExitStack, resume=None, cache_only=False,
+            regenerate_cache=False) -> loop.Run | None:
+  """Everything before the first step: the config checked, the datasets cached, the mesh, the
+  frozen model placed on it, the training state (new or restored) and the step; None with
+  `cache_only`. `on_exit` holds what must be released when the run ends (its directory's lock,
+  the sequence-parallel context)."""
   use_compilation_cache(config.compilation_cache_dir)
   family = family_lib.get(config.model.type)
   validate.check(config, family)  # every value, before anything is written or loaded
@@ -316,7 +232,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   if cache_only:
     print(f"cached; exiting (--cache_only): {schedule(dataset)}")
     return None
-  total_steps = planned_steps(config, steps_per_epoch)
+  total_steps = loop.planned_steps(config, steps_per_epoch)
 
   # ---------------------------------------------------------------- model (frozen), on the mesh
   block_stacks = family.stacks(models.checkpoint_config(family.type, path))
@@ -334,7 +250,6 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   model = models.load(family.type, path, dtype=jnp.dtype(config.model.dtype),
                       transformer_dtype=config.model.transformer_dtype,
                       remat=config.activation_checkpointing, unrolled=unrolled, layout=layout)
-  params = model.params
 
   # ---------------------------------------------------------------- adapter and optimizer
   # The state is created, checkpointed and exported in the plain layer layout, and trained in
@@ -378,189 +293,8 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
   print(f"run directory: {run_dir}; mesh {dict(mesh.shape)} over {len(jax.devices())} devices; "
         f"{schedule(dataset)}")
 
-  # ---------------------------------------------------------------- step, evals, saves
-  step_fn = make_step(model, config, tx, layout)
-  eval_fn = make_eval(model, config, layout)
-  step = int(state["step"])
-  examples = dataset.examples_seen(step)
-  resumed = resume is not None
-  metrics = metrics_lib.MetricWriter(run_dir, is_main_process, resumed_at=step if resumed else None,
-                                     resumed_examples=examples if resumed else None,
-                                     config=config)
-
-  def run_evals(step):
-    """Each eval set's loss at the fixed t quantiles, with the same noise every time."""
-    eval_params = eval_weights(params, config, layout)
-    for name, ev in evals.items():
-      losses = []
-      for i, batch in enumerate(ev.iterate(0, 0, jax.process_index(), jax.process_count())):
-        for a, micro_batch in enumerate(split_micro_batches(batch, eval_accum)):
-          losses.append(eval_fn(state["lora"], eval_params, sharding.global_batch(
-              mesh, micro_batch, batch_axis=0), jax.random.key(i * eval_accum + a)))
-      losses = np.mean(losses, axis=0)
-      metrics.write(step, {f"{name}/loss": losses.mean(), **{
-          f"{name}/loss_quantile_{q:.2f}": v for q, v in zip(EVAL_QUANTILES, losses)}}, examples=examples)
-      tqdm.write(f"eval {name} at step {step}: loss {losses.mean():.4f}")
-
-  sample_steps, sample_guidance = sampling.defaults(family, config)
-  sample_step = prompts and sampling.step_fn(model, config.model, sample_guidance, layout.pipeline,
-                                           split=layout.unrolled)
-
-  def run_samples(step):
-    """Each sample prompt drawn with the LoRA as it is, to <run>/samples/step<N>/ (process 0)."""
-    latents = sampling.draw(model, params, state["lora"], config.model, prompts, sample_steps,
-                          sample_guidance, config.sample_seed, rows=data_parallel,
-                          step=sample_step, place=functools.partial(sharding.whole_rows, mesh))
-    if is_main_process:
-      folder = os.path.join(run_dir, "samples", f"step{step}")
-      with space_for(f"the samples in {folder}"):
-        written = sampling.write(encoders, latents, prompts,
-                               sampling.folder_paths(folder, len(prompts.texts), prompts.frames),
-                               encoders.frame_rate or 24)
-      for i, (_, pixels) in enumerate(written):
-        metrics.image(step, f"samples/{i:02d}", sampling.preview(pixels), examples=examples)
-      tqdm.write(f"samples at step {step}: {folder}")
-
-  def last_good_checkpoint():
-    complete = checkpoint.complete_steps(run_dir)  # read on disk: safe in a signal handler too
-    return ("none yet" if not complete else
-            os.path.join(run_dir, f"{checkpoint.STEP_PREFIX}{complete[-1]}") + " is kept")
-
-  def discard_failed_start():
-    """A run that ends before its first step leaves no run directory: nothing to keep."""
-    if step == 0 and resume is None and is_main_process:
-      shutil.rmtree(run_dir, ignore_errors=True)
-
-  def abort():
-    discard_failed_start()
-    return f"aborted by a second Ctrl-C at step {step}; the last good checkpoint: {last_good_checkpoint()}"
-
-  @contextlib.contextmanager
-  def space_for(what):
-    """A full disk while writing `what`: one line naming the last good checkpoint."""
-    try:
-      yield
-    except Exception as e:
-      if not errors.full_disk(e):
-        raise
-      raise UserError(f"no space left on the device while writing {what} (nothing half-written is "
-                      f"left; the last good checkpoint: {last_good_checkpoint()}); free space, then "
-                      "--resume_from_checkpoint") from None
-
-  def save_lora(name):
-    adapter = lora_to_layers(state["lora"])
-    if is_main_process:
-      with space_for(f"the LoRA {name} in {run_dir}"):
-        saved = lora.save(adapter, os.path.join(run_dir, name), family, config.adapter.rank,
-                          np.dtype(jnp.dtype(config.save_dtype)))
-      tqdm.write(f"saved LoRA: {saved}")
-
-  def save_checkpoint(step, epoch_losses):
-    epoch, batch_index = divmod(step, steps_per_epoch)  # where the data continues from
-    with space_for(f"checkpoint {checkpoint.STEP_PREFIX}{step} in {run_dir}"):
-      ckpt.save(step, to_layers(state), dict(step=step, epoch=epoch, batch_index=batch_index,
-                                             steps_per_epoch=steps_per_epoch,
-                                             epoch_losses=epoch_losses))
-
-  def placed_batches(start):
-    """(bucket, its examples, the global batch on the mesh) of steps `start`, `start + 1`, ...
-    through the epochs, each batch read and sent to the devices when asked for."""
-    for epoch in itertools.count(start // steps_per_epoch):
-      first = max(start - epoch * steps_per_epoch, 0)
-      loaded = dataset.iterate(epoch, first, jax.process_index(), jax.process_count())
-      for (bucket, rows), batch in zip(dataset.epoch(epoch)[first:], loaded):
-        yield bucket, len(rows), sharding.global_batch(mesh, jax.tree.map(
-            lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch))
-
-  # ---------------------------------------------------------------- loop
-  key = jax.random.key(config.seed + 1)
-  last_checkpoint_time, last_saved_step = time.time(), None
-  first_losses, warned = [], set()
-  bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", dynamic_ncols=True)
-  upcoming, compiled = placed_batches(step), set()
-  stop = StopRequests(on_abort=abort)
-  failed = True  # until the last export: an error or a stop ends the W&B run as failed
-  try:
-    if evals and config.eval_before_first_step and step == 0:
-      run_evals(0)
-    if prompts is not None and config.sample_before_first_step and step == 0:
-      run_samples(0)  # the base model (the LoRA starts at zero): what samples are compared with
-    batch = next(upcoming) if step < total_steps else None
-    while step < total_steps:
-      epoch = step // steps_per_epoch
-      bucket, size, batches = batch  # bucket: (width, height, frames); a new one compiles the step
-      examples_before, examples = examples, examples + size
-      if bucket not in compiled:
-        width, height, frames = bucket
-        bar.set_description(f"compiling the step for {width}x{height}"
-                            + (f", {frames} frames" if frames > 1 else ""))
-      state, step_metrics = step_fn(state, params, batches, jax.random.fold_in(key, step))
-      # the next batch is read and copied while this step runs (the step is dispatched, not done)
-      batch = next(upcoming) if step + 1 < total_steps else None
-      loss, grad_norm = float(step_metrics["loss"]), float(step_metrics["grad_norm"])
-      if bucket not in compiled:
-        compiled.add(bucket)
-        bar.set_description("training")
-      if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-        raise UserError(f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step + 1}; "
-                        f"stopping. The last good checkpoint: {last_good_checkpoint()}: lower "
-                        "optimizer.lr or check the data, then --resume_from_checkpoint")
-      step += 1
-      first_losses = first_losses if len(first_losses) == DIVERGENCE_BASELINE_STEPS else first_losses + [loss]
-      problem = divergence(loss, grad_norm, first_losses)
-      if problem and problem.split(":")[0] not in warned:
-        warned.add(problem.split(":")[0])
-        tqdm.write(f"warning: at step {step} {problem}; training may have diverged (optimizer.lr="
-                   f"{config.optimizer.lr:g}?): check the losses and the exported LoRAs")
-      lr = float(lr_fn(step - 1)) * float(step_metrics.get("estim_lr", 1.0))  # (Prodigy's estimate)
-      epoch_losses.append(loss)
-      peak_gib = peak_device_memory_gib()
-      metrics.write(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                           **({"train/peak_memory_gib": peak_gib} if peak_gib is not None else {})},
-                    examples=examples)
-      bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", epoch=epoch + 1,
-                      **({"peak_mem": f"{peak_gib:.1f}G"} if peak_gib is not None else {}))
-      bar.update(1)
-
-      end_of_epoch = every(step, steps_per_epoch)
-      if end_of_epoch:
-        metrics.write(step, {"train/epoch_loss": np.mean(epoch_losses)}, epoch=epoch + 1, examples=examples)
-        epoch_losses = []
-      if end_of_epoch and every(epoch + 1, config.save_every_n_epochs):
-        save_lora(f"epoch{epoch + 1}")
-        last_saved_step = step
-      if every(step, config.save_every_n_steps) or crossed(examples_before, examples,
-                                                           config.save_every_n_examples):
-        save_lora(f"step{step}")
-        last_saved_step = step
-      if evals and (every(step, config.eval_every_n_steps) or (
-          end_of_epoch and every(epoch + 1, config.eval_every_n_epochs)) or crossed(
-              examples_before, examples, config.eval_every_n_examples)):
-        run_evals(step)
-      if prompts is not None and (every(step, config.sample_every_n_steps) or (
-          end_of_epoch and every(epoch + 1, config.sample_every_n_epochs))):
-        run_samples(step)
-      due = (every(step, config.checkpoint_every_n_steps)
-             or (end_of_epoch and every(epoch + 1, config.checkpoint_every_n_epochs))
-             or (config.checkpoint_every_n_minutes > 0
-                 and time.time() - last_checkpoint_time > 60 * config.checkpoint_every_n_minutes))
-      if jax.process_count() > 1:  # every process must take part in a save: process 0's clock decides
-        due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
-      stopping = stop.requested()
-      if due or stopping or step == total_steps:
-        save_checkpoint(step, epoch_losses)
-        last_checkpoint_time = time.time()
-      if stopping:
-        raise UserError(f"stopped by {stop.received or 'a signal to another process'} at step "
-                        f"{step}: checkpoint {os.path.join(run_dir, checkpoint.STEP_PREFIX)}{step} "
-                        "written; continue with --resume_from_checkpoint")
-    if last_saved_step != step:  # always end with an exported LoRA
-      save_lora(f"step{step}" if step % steps_per_epoch else f"epoch{step // steps_per_epoch}")
-    failed = False
-  finally:
-    stop.restore()
-    bar.close()
-    metrics.close(failed)
-    discard_failed_start()
-  print(f"done: {step} steps in {run_dir}")
-  return run_dir
+  return loop.Run(config=config, family=family, mesh=mesh, layout=layout, run_dir=run_dir,
+                  resumed=resume is not None, is_main_process=is_main_process, dataset=dataset,
+                  evals=evals, prompts=prompts, encoders=encoders, model=model, state=state,
+                  step_fn=make_step(model, config, tx, layout), lr_fn=lr_fn, checkpointer=ckpt,
+                  to_layers=to_layers, lora_to_layers=lora_to_layers, epoch_losses=epoch_losses)

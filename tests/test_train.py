@@ -28,8 +28,8 @@ from safetensors.numpy import load_file
 from conftest import (FAMILIES, MACHINERY_FAMILY, diffusers_modules, family_config, load_lora_in_diffusers,
                       xla_flags)
 from tolerances import LORA_PARITY, assert_close, rel_err
-from diffpipe_jax import (checkpoint, data, family as family_lib, lora, models, optim, sharding, stacks,
-                          train, update)
+from diffpipe_jax import (checkpoint, data, family as family_lib, lora, loop, models, optim, sharding,
+                          stacks, train, update)
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.convert import table
 from diffpipe_jax.stacks import host_layers, is_layer_arrays, swapped_stacks
@@ -361,7 +361,7 @@ def test_a_failure_in_the_first_evaluation_is_a_failed_start(tmp_path, monkeypat
 
   def broken(*args):
     raise RuntimeError("the evaluation broke")
-  monkeypatch.setattr(train, "make_eval", lambda *args: broken)
+  monkeypatch.setattr(loop, "make_eval", lambda *args: broken)
   with pytest.raises(RuntimeError, match="the evaluation broke"):
     train.run(tiny_config(name, **{"output_dir": str(tmp_path / "out"), "eval_before_first_step": True,
                                    "monitoring.enable_wandb": True}))
@@ -387,7 +387,7 @@ def test_readme_shows_the_lines_of_metrics_jsonl(tmp_path, monkeypatch, name=MAC
   epoch's, an eval's), its keys in order (values elided, an eval's quantiles cut short)."""
   monkeypatch.chdir(tmp_path)
   monkeypatch.setattr(train, "make_step", fake_step(loss=1.0, grad_norm=1.0))
-  monkeypatch.setattr(train, "make_eval", lambda *args: lambda *a: np.ones(len(update.EVAL_QUANTILES)))
+  monkeypatch.setattr(loop, "make_eval", lambda *args: lambda *a: np.ones(len(update.EVAL_QUANTILES)))
   run = train.run(tiny_config(name, output_dir=str(tmp_path / "out"), eval_before_first_step=False,
                               max_steps=3))  # an epoch
   with open(os.path.join(run, "metrics.jsonl")) as f:
@@ -431,11 +431,11 @@ def test_a_full_disk_at_export_and_a_stalled_run_are_said_in_one_line(tmp_path, 
 
 
 def test_divergence_is_a_zero_gradient_or_a_loss_ten_times_the_first_steps():
-  first = [1.0] * train.DIVERGENCE_BASELINE_STEPS
-  assert train.divergence(1.2, 0.5, first) is None
-  assert "gradient norm is 0" in train.divergence(1.2, 0.0, first)
-  assert "over 10x" in train.divergence(11.0, 0.5, first)
-  assert train.divergence(11.0, 0.5, first[:3]) is None  # no baseline yet
+  first = [1.0] * loop.DIVERGENCE_BASELINE_STEPS
+  assert loop.divergence(1.2, 0.5, first) is None
+  assert "gradient norm is 0" in loop.divergence(1.2, 0.0, first)
+  assert "over 10x" in loop.divergence(11.0, 0.5, first)
+  assert loop.divergence(11.0, 0.5, first[:3]) is None  # no baseline yet
 
 
 def test_non_finite_loss_stops_with_a_message(tmp_path, name=MACHINERY_FAMILY):
