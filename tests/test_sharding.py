@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import FAMILIES, MACHINERY_FAMILY
-from diffpipe_jax import family as family_lib, sequence, sharding
+from diffpipe_jax import axes, family as family_lib, sequence, sharding
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.models import flux, layers
 from diffpipe_jax.sharding import pipeline
@@ -136,4 +136,4 @@ def test_mesh_errors_name_the_fix():
   with pytest.raises(ValueError, match="does not divide"):
     sharding.make_mesh(3, jax.devices() * 2)
   with pytest.raises(ValueError, match="no sharding rule covers a/b"):
-    sharding.tree_shardings(sharding.make_mesh(1), {"a": {"b": 1}}, rules=((r"c", sharding.P()),))
+    sharding.tree_shardings(sharding.make_mesh(1), {"a": {"b": 1}}, rules=((r"c", axes.spec()),))
