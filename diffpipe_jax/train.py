@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from diffpipe_jax import (checkpoint, data, device_memory, errors, lora, media, models, optim,
+from diffpipe_jax import (axes, checkpoint, data, device_memory, errors, lora, media, models, optim,
                           sample, sequence, sharding, stacks, tiny, validate)
 from diffpipe_jax import family as family_lib, metrics as metrics_lib
 from diffpipe_jax.errors import UserError
@@ -269,7 +269,7 @@ def train(config, resume, cache_only, regenerate_cache, on_exit: contextlib.Exit
 
   # ---------------------------------------------------------------- mesh
   mesh = sharding.make_mesh(config.pipeline_stages, sequence_parallel=config.sequence_parallel)
-  data_parallel = mesh.shape["data"]
+  data_parallel = mesh.shape[axes.DATA]
   on_exit.enter_context(sequence.parallel(mesh))  # what is traced splits its tokens over 'seq'
 
   # ---------------------------------------------------------------- a resumed run's directory
