@@ -19,7 +19,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from diffpipe_jax import checkpoint, data, errors, lora, metrics as metrics_lib, sampling, sharding, stacks
+from diffpipe_jax import (axes, checkpoint, data, errors, lora, metrics as metrics_lib, sampling, sharding,
+                          stacks)
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.update import EVAL_QUANTILES, make_eval
 
@@ -228,7 +229,7 @@ class Sampler:
   def __call__(self, step: int, examples: int, state):
     r = self.run
     latents = sampling.draw(r.model, r.model.params, state["lora"], r.config.model, r.prompts, self.steps,
-                            self.guidance, r.config.sample_seed, rows=r.mesh.shape["data"], step=self.step,
+                            self.guidance, r.config.sample_seed, rows=r.mesh.shape[axes.DATA], step=self.step,
                             place=functools.partial(sharding.whole_rows, r.mesh))
     if not r.is_main_process:
       return

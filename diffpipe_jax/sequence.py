@@ -13,38 +13,36 @@ with N = 1, the annotations are nothing. Nothing here knows a model family.
 import contextlib
 
 import jax
-from jax.sharding import PartitionSpec as P
 
-AXIS = "seq"
+from diffpipe_jax import axes
 
 
 def parallel(mesh):
   """The context in which traced blocks split their sequence over `mesh`'s 'seq' axis."""
-  return jax.set_mesh(mesh) if dict(mesh.shape).get(AXIS, 1) > 1 else contextlib.nullcontext()
+  return jax.set_mesh(mesh) if dict(mesh.shape).get(axes.SEQ, 1) > 1 else contextlib.nullcontext()
 
 
-def _constrained(x, *axes):
-  """x with its leading dimensions split over the mesh `axes` (None: not split), those of them
-  that a `jax.shard_map` around it has made manual left out (a pipeline's 'data')."""
+def _constrained(x, *logical):
+  """x with its leading dimensions split as `axes.spec(*logical)`, but over the mesh axes that a
+  `jax.shard_map` around it has made manual (a pipeline's 'data')."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or dict(mesh.shape).get(AXIS, 1) == 1 or AXIS in mesh.manual_axes:
+  if mesh.empty or dict(mesh.shape).get(axes.SEQ, 1) == 1 or axes.SEQ in mesh.manual_axes:
     return x
-  spec = P(*[None if a in mesh.manual_axes else a for a in axes])
-  return jax.lax.with_sharding_constraint(x, spec)
+  return jax.lax.with_sharding_constraint(x, axes.spec(*logical, manual=mesh.manual_axes))
 
 
 def over_tokens(x):
   """x [B, tokens, ...] split along its tokens over 'seq' (its batch over 'data')."""
-  return _constrained(x, "data", AXIS)
+  return _constrained(x, "batch", "tokens")
 
 
 def whole(x):
   """x [B, ...] split along its batch over 'data' only, each device of a 'seq' group holding all
   of its tokens: what a caller keeps between programs (the sampler's latents), which would
   otherwise leave split over 'seq' and make the next call compile again."""
-  return _constrained(x, "data")
+  return _constrained(x, "batch")
 
 
 def over_heads(x):
   """x [B, tokens, heads, head_dim] split along its heads over 'seq' (its batch over 'data')."""
-  return _constrained(x, "data", None, AXIS)
+  return _constrained(x, "batch", None, "heads")

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from diffpipe_jax import (checkpoint, data, device_memory, errors, lora, loop, media, models, optim,
-                          sampling, sequence, sharding, stacks, tiny, validate)
+from diffpipe_jax import (axes, checkpoint, data, device_memory, errors, lora, loop, media, models,
+                          optim, sampling, sequence, sharding, stacks, tiny, validate)
 from diffpipe_jax import family as family_lib, metrics as metrics_lib
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.update import init_state, make_step
@@ -185,7 +185,7 @@ def prepare(config, on_exit: contextlib.ExitStack, resume=None, cache_only=False
 
   # ---------------------------------------------------------------- mesh
   mesh = sharding.make_mesh(config.pipeline_stages, sequence_parallel=config.sequence_parallel)
-  data_parallel = mesh.shape["data"]
+  data_parallel = mesh.shape[axes.DATA]
   on_exit.enter_context(sequence.parallel(mesh))  # what is traced splits its tokens over 'seq'
 
   # ---------------------------------------------------------------- a resumed run's directory

@@ -10,9 +10,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
-from diffpipe_jax import flow, lora, programs, sequence, stacks
+from diffpipe_jax import axes, flow, lora, programs, sequence, stacks
 
 
 EVAL_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -181,7 +181,7 @@ def make_step(model, config, tx, layout):
     # at full size: it compiles in a thread while the first step's programs do.
     if not compiling:
       specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-      loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(layout.mesh, P()))
+      loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(layout.mesh, axes.spec()))
       grad_dtype = compute_dtype if n == 1 else jnp.float32  # (`grad_fn` sums in float32)
       g = jax.tree.map(lambda x: x.update(dtype=grad_dtype), specs["lora"])
       compiling.append(_COMPILER.submit(lambda: compile_in(sequence.parallel(layout.mesh), update, specs, loss, g)))

@@ -20,6 +20,7 @@ from diffpipe_jax.convert.tensorfile import TensorFiles, write_safetensors
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GENERIC = ("main.py", "diffpipe_jax/train.py", "diffpipe_jax/data.py", "diffpipe_jax/cache.py",
            "diffpipe_jax/lora.py", "diffpipe_jax/checkpoint.py", "diffpipe_jax/sharding/__init__.py",
+           "diffpipe_jax/axes.py",
            "diffpipe_jax/sharding/pipeline.py", "diffpipe_jax/stacks.py", "diffpipe_jax/programs.py",
            "diffpipe_jax/flow.py", "diffpipe_jax/optim.py", "diffpipe_jax/models/__init__.py",
            "diffpipe_jax/convert/loader.py", "diffpipe_jax/encoders/__init__.py",

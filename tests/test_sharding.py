@@ -1,5 +1,7 @@
 """Multi-device training on 8 fake CPU devices, against the single-device result; the pipeline
 plan, diffusion-pipe's stage boundaries (partition_split) and the storage layout."""
+import ast
+import glob
 import os
 import subprocess
 import sys
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import FAMILIES, MACHINERY_FAMILY
-from diffpipe_jax import family as family_lib, sequence, sharding
+from diffpipe_jax import axes, family as family_lib, sequence, sharding
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.models import flux, layers
 from diffpipe_jax.sharding import pipeline
@@ -136,4 +138,21 @@ def test_mesh_errors_name_the_fix():
   with pytest.raises(ValueError, match="does not divide"):
     sharding.make_mesh(3, jax.devices() * 2)
   with pytest.raises(ValueError, match="no sharding rule covers a/b"):
-    sharding.tree_shardings(sharding.make_mesh(1), {"a": {"b": 1}}, rules=((r"c", sharding.P()),))
+    sharding.tree_shardings(sharding.make_mesh(1), {"a": {"b": 1}}, rules=((r"c", axes.spec()),))
+
+
+def test_only_axes_names_the_mesh_axes():
+  """Placement is decided in one table (`diffpipe_jax/axes.py`): elsewhere in the package no
+  string is a mesh axis's name and no PartitionSpec is built but by `axes.spec`."""
+  found = []
+  for path in sorted(glob.glob(os.path.join(ROOT, "diffpipe_jax", "**", "*.py"), recursive=True)):
+    if path == axes.__file__:
+      continue
+    source = open(path).read()
+    rows = sorted({node.lineno for node in ast.walk(ast.parse(source))
+                   if isinstance(node, ast.Constant) and node.value in axes.MESH  # an axis's name
+                   or getattr(node, "attr", getattr(node, "name", None)) in ("P", "PartitionSpec")})
+    found += [f"{os.path.relpath(path, ROOT)}:{n}: {source.splitlines()[n - 1].strip()}" for n in rows]
+  assert not found, ("mesh axes named outside diffpipe_jax/axes.py: build specs with "
+                     "axes.spec(logical names...) and name a mesh axis as axes.DATA, STAGE or SEQ\n"
+                     + "\n".join(found))

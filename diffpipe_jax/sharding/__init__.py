@@ -1,4 +1,5 @@
-"""The device mesh ('data', 'stage', 'seq') and how arrays are laid out on it, as data.
+"""The device mesh ('data', 'stage', 'seq': `axes.MESH`) and how arrays are laid out on it, as
+data; the specs come from `axes`' one table of logical names.
 
 Data parallelism: every batch is split over 'data'; the LoRA and optimizer state are replicated
 over it, so XLA all-reduces the LoRA gradients. Sequence parallelism: every block's tokens are
@@ -16,15 +17,14 @@ from typing import Optional, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
-from diffpipe_jax import sequence
+from diffpipe_jax import axes
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 from diffpipe_jax.stacks import (SWAP_NEEDS_ONE_STAGE, LayerArrays, Swapped, layer_bytes, pack_layers,
                                  restack, split_layers, swap_positions, unstack)
 
-AXES = ("data", "stage", sequence.AXIS)
 # The state's entries that stay stacked in the unrolled layout: the update, one program, reads it
 # whole, and per-layer arrays would make that call thousands of arrays long, each costing host
 # time a step (benchmarks/HISTORY.md, "LoRA step: fewer kernels and arrays between the
@@ -46,14 +46,14 @@ def make_mesh(pipeline_stages: int = 1, devices=None, sequence_parallel: int = 1
                     f"{jax.local_device_count()} devices of a process; a sequence group is one "
                     "host's devices")
   grid = np.array(devices).reshape(len(devices) // group, pipeline_stages, sequence_parallel)
-  return Mesh(grid, AXES)
+  return Mesh(grid, axes.MESH)
 
 
 def param_rules(stacked: Sequence[str], pipelined: bool):
   """(regex over "/"-joined parameter paths, partition spec) pairs: the first match wins.
   They cover the weights, the LoRA and the optimizer state (whose paths end in the same names)."""
-  stage = ((rf"(.*/)?({'|'.join(map(re.escape, stacked))})/.*", P("stage")),) if pipelined else ()
-  return stage + ((r".*", P()),)
+  stage = (rf"(.*/)?({'|'.join(map(re.escape, stacked))})/.*", axes.spec("layers"))
+  return ((stage,) if pipelined else ()) + ((r".*", axes.spec()),)
 
 
 def _path_name(path) -> str:
@@ -118,10 +118,10 @@ class Layout:
   def put(self, path, host_array):
     """Places one converted weight (a loader's `put`): reordered into stages on the host, then
     sent to each device's share only."""
-    name = pipeline_lib.is_stacked_path(path, self.stacked)
-    if self.plan is not None and name is not None:
+    name = pipeline_lib.is_stacked_path(path, self.stacked) if self.plan is not None else None
+    if name is not None:
       host_array = self.plan.to_stages(name, host_array)
-    spec = P("stage") if self.plan is not None and name is not None else P()
+    spec = axes.spec() if name is None else axes.spec("layers")
     return jax.device_put(host_array, NamedSharding(self.mesh, spec))
 
   def settle(self, path, weight):
@@ -151,7 +151,7 @@ class Layout:
 
   @property
   def host_memory(self):
-    return NamedSharding(self.mesh, P(), memory_kind="pinned_host")
+    return NamedSharding(self.mesh, axes.spec(), memory_kind="pinned_host")
 
 
 def swapped_layers(block_stacks, blocks_to_swap: int) -> tuple:
@@ -178,7 +178,7 @@ def make_layout(mesh: Mesh, block_stacks, microbatches: int, blocks_to_swap: int
   (the family's `layers_around_stacks`, `pipeline.blocks_per_stage`); on one stage, the frozen
   weights of `blocks_to_swap` blocks in pinned host memory, and with the layers `unrolled` (see
   `stacks.remat_policy`), every stacked leaf per layer."""
-  stages = mesh.shape["stage"]
+  stages = mesh.shape[axes.STAGE]
   split = (pipeline_lib.blocks_per_stage(block_stacks, layers_around_stacks, partition_split, stages)
            if partition_split else None)
   plan = None
@@ -193,12 +193,12 @@ def make_layout(mesh: Mesh, block_stacks, microbatches: int, blocks_to_swap: int
 def global_batch(mesh: Mesh, local_batch, batch_axis: int = 1):
   """This process's rows -> one global array per leaf, split over 'data' along `batch_axis`
   (1 for [accumulation, micro batch, ...] stacks, 0 for a plain batch)."""
-  sharding = NamedSharding(mesh, P(*[None] * batch_axis, "data"))
+  sharding = NamedSharding(mesh, axes.spec(*[None] * batch_axis, "batch"))
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
 
 
 def whole_rows(mesh: Mesh, batch):
   """A batch that every process holds whole -> global arrays split over 'data' along axis 0
   (the rows must divide by the data axis)."""
-  sharding = NamedSharding(mesh, P("data"))
+  sharding = NamedSharding(mesh, axes.spec("batch"))
   return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda i: x[i]), batch)

@@ -38,9 +38,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
-from diffpipe_jax import stacks as stacks_lib
+from diffpipe_jax import axes, stacks as stacks_lib
 from diffpipe_jax.errors import UserError
 
 # The cost of a tick beyond its layers (transfers, buffer updates, loop), in layers; chosen by
@@ -228,14 +228,14 @@ class Pipeline:
       raise ValueError(f"a batch of {x.shape[0]} does not split into {M} microbatches")
     split = lambda a: a.reshape(M, a.shape[0] // M, *a.shape[1:])
     valids = [jnp.asarray(plan.valid(s.name)) for s in stacks]
-    batch_spec = P(None, "data")
-    stage_spec = lambda tree: jax.tree.map(lambda _: P("stage"), tree)
-    in_specs = (batch_spec, [batch_spec] * len(per_sample), jax.tree.map(lambda _: P(), shared),
-                [stage_spec(s.params) for s in stacks], [stage_spec(s.lora) for s in stacks],
-                [P("stage")] * len(stacks), P())
+    batch_spec, stage_spec = axes.spec(None, "batch"), axes.spec("layers")  # [M, rows, ...], [S, ...]
+    every = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
+    in_specs = (batch_spec, [batch_spec] * len(per_sample), every(shared, axes.spec()),
+                [every(s.params, stage_spec) for s in stacks], [every(s.lora, stage_spec) for s in stacks],
+                [stage_spec] * len(stacks), axes.spec())
     body = jax.shard_map(  # manual over 'data' and 'stage'; 'seq' left to `sequence`'s annotations
         lambda *a: _pipeline(plan, stacks, *a, remat=remat, with_key=key is not None),
-        mesh=self.mesh, in_specs=in_specs, out_specs=batch_spec, axis_names={"data", "stage"})
+        mesh=self.mesh, in_specs=in_specs, out_specs=batch_spec, axis_names={axes.DATA, axes.STAGE})
     out = body(split(x), [split(a) for a in per_sample], shared, [s.params for s in stacks],
                [s.lora for s in stacks], valids, jax.random.key(0) if key is None else key)
     return out.reshape(x.shape)
@@ -255,7 +255,7 @@ def _pipeline(plan: Plan, stacks, x, per_sample, shared, params, loras, valids, 
 def _run_segment(plan: Plan, segment: Segment, stack, x, per_sample, shared, valid, key, remat):
   """One stack on x [M, micro batch, sequence, D]; returns its output on every stage."""
   S, M, slots, k = plan.stages, plan.microbatches, plan.slots(segment), segment.per_stage
-  stage = jax.lax.axis_index("stage")
+  stage = jax.lax.axis_index(axes.STAGE)
 
   def chunk(h, visit, m):  # this stage's layers of the visit, each rematerialised by `remat`
     args = (*shared, *[a[m] for a in per_sample])
@@ -274,11 +274,12 @@ def _run_segment(plan: Plan, segment: Segment, stack, x, per_sample, shared, val
     y = chunk(jnp.where(stage == 0, first, state), v, m)
     done = (stage == S - 1) & (t - stage == (segment.visits - 1) * slots + m)  # its last visit
     out = out.at[m].set(jnp.where(done, y, out[m]))
-    state = jax.lax.ppermute(y, "stage", [(s, (s + 1) % S) for s in range(S)])
+    state = jax.lax.ppermute(y, axes.STAGE, [(s, (s + 1) % S) for s in range(S)])
     return (state, returned, out), None
 
   # The carries vary over 'stage' as their updates do (and over 'data' as x does).
-  zeros = lambda n: jax.lax.pcast(jnp.zeros_like(x[:1], shape=(n, *x.shape[1:])), "stage", to="varying")
+  zeros = lambda n: jax.lax.pcast(jnp.zeros_like(x[:1], shape=(n, *x.shape[1:])), axes.STAGE,
+                                  to="varying")
   init = (zeros(1)[0], zeros(slots if segment.visits > 1 else 0), zeros(M))
   (_, _, out), _ = jax.lax.scan(tick, init, jnp.arange(plan.ticks(segment)))
-  return jax.lax.psum(out, "stage")  # only the last stage wrote: every stage gets the result
+  return jax.lax.psum(out, axes.STAGE)  # only the last stage wrote: every stage gets the result
