@@ -1,6 +1,6 @@
-"""The vocabulary of the config schema: a `Key` (its default, its rule, what it does) and the
-`Rule`s of what values a key allows. `schema.SHARED` declares the keys every family shares, a
-family's `model_keys` its own model keys."""
+"""The vocabulary of the config schema: a `Key` (its default, its rule, what it does, how
+diffusion-pipe writes it) and the `Rule`s of what values a key allows. `schema.SHARED` declares
+the keys every family shares, a family's `model_keys` its own model keys."""
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -12,6 +12,16 @@ class Rule:
 
 
 @dataclasses.dataclass(frozen=True)
+class DiffusionPipe:
+  """How diffusion-pipe's training TOML has a key where it differs from ours (diffusion_pipe.py
+  reads it): its `name` there ("": ours), its `default` there (None: ours), and `value`: a value
+  there -> ours (None: the same)."""
+  name: str = ""
+  default: Any = None
+  value: Optional[Callable] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Key:
   """One config key, declared once. `default`: its value, or a function of the model type;
   `field_type`: the type an override parses as, where the default's own would not do (an int
@@ -19,6 +29,7 @@ class Key:
   default: Any
   rule: Rule
   doc: str
+  diffusion_pipe: Optional[DiffusionPipe] = None
   field_type: Optional[type] = None
 
 

@@ -1,21 +1,40 @@
 """The keys every family shares, each declared once (`rules.Key`): its default, the values it
-allows and what it does; the names are diffusion-pipe's. A family adds its own `model` keys
-(`Family.model_keys`). From this one table `configs/common.py` builds the config and `validate`
-checks it.
+allows, what it does and, where diffusion-pipe's training TOML has it otherwise, how; the names
+are diffusion-pipe's. A family adds its own `model` keys (`Family.model_keys`). From this one
+table `configs/common.py` builds the config, `validate` checks it and `diffusion_pipe` reads a
+TOML into it.
 
 A name with `*` is a pattern, for keys no config has until one sets them: an eval set's, and
 the rest of diffusion-pipe's dataset keys.
 
 Speed and memory of the settings below, per family and GPU: BENCHMARKS.md.
 """
+import os
+
 import ml_collections
 from ml_collections import config_dict
 
 from diffpipe_jax import family as family_lib, flow, media, optim, stacks
-from diffpipe_jax.rules import (FLAG, PROBABILITY, TEXT, Key, Rule, choice, integer,
+from diffpipe_jax.errors import UserError
+from diffpipe_jax.rules import (FLAG, PROBABILITY, TEXT, DiffusionPipe, Key, Rule, choice, integer,
                                 number, numbers)
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def dataset_toml(value, key="dataset"):
+  """A training TOML's dataset TOML, checked now for the hint on where relative paths resolve."""
+  if not isinstance(value, str) or not os.path.isfile(value):
+    raise UserError(f"{key}={value!r}: no such dataset TOML (relative paths resolve from the "
+                    f"current directory, {os.getcwd()}, as in diffusion-pipe)")
+  return value
+
+
+def activation_checkpointing_from_toml(value):
+  """diffusion-pipe's true, false and "unsloth" as ours (only a bool or a string is looked up:
+  1 == True, and a list has no hash)."""
+  ours = {True: "block", False: "none", "unsloth": "block_offload"}
+  return ours.get(value, value) if isinstance(value, (bool, str)) else value
 
 
 SHARED = {
@@ -58,14 +77,16 @@ SHARED = {
     "force_constant_lr": Key(
         0.0, number(0), "> 0: this learning rate throughout, resumed runs too (no warm-up)"),
     "save_every_n_epochs": Key(
-        1, integer(0), "a LoRA export to epochN/ every this many epochs (0: off)"),
+        1, integer(0), "a LoRA export to epochN/ every this many epochs (0: off)",
+        diffusion_pipe=DiffusionPipe(default=0)),
     "save_every_n_steps": Key(
         0, integer(0), "a LoRA export to stepN/ every this many steps (0: off)"),
     "save_every_n_examples": Key(
         0, integer(0), "a LoRA export whenever this many more examples were seen (0: off)"),
     "save_dtype": Key("bfloat16", choice(*DTYPES), "the exported LoRAs' dtype"),
     "checkpoint_every_n_minutes": Key(
-        120, number(0), "resumable training state to global_stepN/ every this many minutes"),
+        120, number(0), "a resumable checkpoint (global_stepN/) every this many minutes (0: off)",
+        diffusion_pipe=DiffusionPipe(default=0)),
     "checkpoint_every_n_steps": Key(0, integer(0), "a checkpoint every this many steps (0: off)"),
     "checkpoint_every_n_epochs": Key(0, integer(0), "a checkpoint every this many epochs (0: off)"),
     "checkpoints_to_keep": Key(3, integer(1), "the newest checkpoints kept; older ones deleted"),
@@ -73,7 +94,8 @@ SHARED = {
         "block", choice(*stacks.REMAT_POLICIES),
         '"none": fastest, most memory; "block": remat each block; "block_save_dots": keep each '
         'block\'s matmul outputs; "block_offload": "block" with each block\'s input kept in host '
-        "memory until the backward pass (less memory, slower)"),
+        "memory until the backward pass (less memory, slower)",
+        diffusion_pipe=DiffusionPipe(default="none", value=activation_checkpointing_from_toml)),
     "unrolled": Key(
         None, Rule("True, False or None (True where it can be)",
                    lambda v: v is None or isinstance(v, bool)),
@@ -134,7 +156,8 @@ SHARED = {
         (), Rule("a list of module names", lambda v: isinstance(v, (tuple, list))
                  and all(isinstance(m, str) and m for m in v)),
         'Linear layers left without a LoRA: module names without block indices ("proj_out", '
-        '"attn.to_q": the name or its ending), as PEFT\'s exclude_modules list'),
+        '"attn.to_q": the name or its ending), as PEFT\'s exclude_modules list',
+        diffusion_pipe=DiffusionPipe(value=lambda v: [v] if isinstance(v, str) else v)),
 
     "optimizer.type": Key(
         "adamw", Rule(f"one of {', '.join(map(repr, optim.OPTIMIZERS))}, in any case (automagic: "
@@ -155,7 +178,8 @@ SHARED = {
     "monitoring.wandb_run_name": Key("", TEXT, '"": the run directory\'s name'),
 
     "dataset.path": Key("", TEXT, "a directory of images (and same-stem .txt captions)"),
-    "dataset.toml_path": Key("", TEXT, "or a diffusion-pipe dataset.toml, as is, instead of path"),
+    "dataset.toml_path": Key("", TEXT, "or a diffusion-pipe dataset.toml, as is, instead of path",
+                             diffusion_pipe=DiffusionPipe(name="dataset", value=dataset_toml)),
     "dataset.resolutions": Key(
         (1024,), numbers(integer(1)), "areas: 1024 means 1024x1024 pixels worth"),
     "dataset.enable_ar_bucket": Key(True, FLAG, "buckets by aspect ratio (False: square only)"),
@@ -167,7 +191,8 @@ SHARED = {
         (1,), numbers(integer(1)),
         "clip lengths in frames (1: images; a video takes the longest <= its own)"),
     "dataset.video_clip_mode": Key(
-        "single_beginning", choice(*media.CLIP_MODES), "where a video's clip is taken from"),
+        "single_beginning", choice(*media.CLIP_MODES), "where a video's clip is taken from",
+        diffusion_pipe=DiffusionPipe(name="video_clip_mode")),
     "dataset.num_repeats": Key(1, integer(1), "times each item is seen an epoch"),
     "dataset.caption_prefix": Key("", TEXT, "put before every caption"),
     "dataset.*": Key(None, Rule("any value (media.py checks it)", lambda v: True),
@@ -180,7 +205,8 @@ SHARED = {
                   "fixed t quantiles"),
     "eval_datasets.*.toml_path": Key("", TEXT, "an eval set name -> a dataset TOML"),
     "eval_every_n_steps": Key(0, integer(0), "an eval every this many steps (0: off)"),
-    "eval_every_n_epochs": Key(1, integer(0), "an eval every this many epochs (0: off)"),
+    "eval_every_n_epochs": Key(1, integer(0), "an eval every this many epochs (0: off)",
+                               diffusion_pipe=DiffusionPipe(default=0)),
     "eval_every_n_examples": Key(
         0, integer(0), "an eval whenever this many more training examples were seen (0: off)"),
     "eval_before_first_step": Key(True, FLAG, "an eval before training starts"),

@@ -58,8 +58,13 @@ def test_the_schema_declares_every_key_of_every_config_once(name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_key_has_a_rule_and_a_doc(name):
+  """... and diffusion-pipe's default, where it has its own, differs from ours and passes the
+  rule."""
   for key_name, key in schema.keys(family_lib.get(name)).items():
     assert isinstance(key.rule, Rule) and key.doc.strip(), key_name
+    theirs = key.diffusion_pipe and key.diffusion_pipe.default
+    if theirs is not None:
+      assert theirs != key.default and key.rule.ok(theirs), key_name
 
 
 BAD = [  # (key, value, what the line says)
