@@ -45,7 +45,7 @@ def inputs(a):
 def sampling_config(a):
   """The family's `model` config as the sampler reads it here (25 fps for the video families)."""
   from diffpipe_jax.configs import common
-  model_config = common.model(a.model)
+  model_config = common.base(a.model).model
   model_config.frame_rate, model_config.guidance = 25, 1.0
   return model_config
 

@@ -7,7 +7,7 @@ import sys
 
 from absl import flags
 
-from diffpipe_jax import family as family_lib, validate
+from diffpipe_jax import family as family_lib, schema, validate
 from diffpipe_jax.errors import UserError, causes
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")  # shipped in the package
@@ -58,7 +58,7 @@ def override_error(error: flags.Error, config) -> str | None:
     return None
   key, value = found.groups()
   family = family_lib.get(config.model.type) if config.model.type in family_lib.names() else None
-  rule = validate.rule_for(key, validate.rules(family) if family else validate.RULES)
+  rule = validate.rule_for(key, schema.keys(family) if family else schema.SHARED)
   return f"--config.{key}={value}: must be {rule.allowed}" if rule else None
 
 

@@ -3,31 +3,23 @@
     python main.py --config path/to/their_training.toml [--config.key=value ...]
 
 The TOML's `[model] type` picks the family's config (configs/<type>.py); every key of the TOML is
-then honoured with diffusion-pipe's meaning (most keys share our names), translated (`TRANSLATED`),
-listed once as having no effect here by design (`NO_EFFECT`), or refused before anything loads
-with a line that says what to do (`REFUSED`, unknown keys). Where the TOML leaves a key out,
-diffusion-pipe's default applies (`DEFAULTS`), not ours. Paths are used as written: relative ones
-resolve from the current directory, as diffusion-pipe resolves them.
+then honoured with diffusion-pipe's meaning (most keys share our names; where one does not, or its
+values differ, its schema key says how: `rules.DiffusionPipe`), listed once as having no effect
+here by design (`NO_EFFECT`), or refused before anything loads with a line that says what to do
+(`REFUSED`, unknown keys). Where the TOML leaves a key out, diffusion-pipe's default applies (the
+schema's), not ours. Paths are used as written: relative ones resolve from the current directory,
+as diffusion-pipe resolves them.
 """
 import importlib
-import os
 
 import ml_collections
 from ml_collections import config_dict
 
-from diffpipe_jax import family as family_lib
+from diffpipe_jax import family as family_lib, schema
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.files import read_toml
 
 SECTIONS = ("model", "adapter", "optimizer", "monitoring")
-
-# diffusion-pipe's defaults where ours differ: a TOML that leaves these out trains as it did there.
-DEFAULTS = {
-    "activation_checkpointing": "none",
-    "save_every_n_epochs": 0,
-    "eval_every_n_epochs": 0,
-    "checkpoint_every_n_minutes": 0,
-}
 
 # Keys whose value changes nothing here, by design: the reason, printed once at start-up.
 NO_EFFECT = {
@@ -52,9 +44,6 @@ REFUSED = {
     "adapter.alpha": "diffusion-pipe fixes alpha = rank (scale 1), as here; remove it",
 }
 
-# Values diffusion-pipe users write for our keys that take other values here.
-ACTIVATION_CHECKPOINTING = {True: "block", False: "none", "unsloth": "block_offload"}
-
 
 def family_config(model_type: str, where: str) -> ml_collections.ConfigDict:
   """configs/<model type>.py's default config (the module is named after the type)."""
@@ -63,44 +52,34 @@ def family_config(model_type: str, where: str) -> ml_collections.ConfigDict:
   return importlib.import_module(f"diffpipe_jax.configs.{model_type.replace('-', '_')}").get_config()
 
 
-def dataset_path(value, key: str, where: str) -> str:
-  if not isinstance(value, str) or not os.path.isfile(value):
-    raise UserError(f"{where}: {key}={value!r}: no such dataset TOML (relative paths resolve from "
-                    f"the current directory, {os.getcwd()}, as in diffusion-pipe)")
-  return value
-
-
-def eval_datasets(value, where: str) -> dict:
-  """`eval_datasets = [{name = ..., config = 'eval.toml'}, ...]` -> {name: {toml_path}}."""
+def eval_datasets(value) -> dict:
+  """`eval_datasets = [{name = ..., config = 'eval.toml'}, ...]` -> {name: {toml_path}}: a
+  section of ours, not a key."""
   if not isinstance(value, list) or not all(isinstance(e, dict) and set(e) == {"name", "config"}
                                             for e in value):
-    raise UserError(f"{where}: eval_datasets must be a list of {{name = '...', config = "
+    raise UserError("eval_datasets must be a list of {name = '...', config = "
                     f"'eval_dataset.toml'}} tables, got {value!r}")
-  return {e["name"]: dict(toml_path=dataset_path(e["config"], f"eval_datasets {e['name']!r} config",
-                                                 where)) for e in value}
+  return {e["name"]: dict(toml_path=schema.dataset_toml(e["config"], f"eval_datasets {e['name']!r} "
+                                                                    "config")) for e in value}
 
 
-def translate(key: str, value, where: str):
+def translate(key: str, value, keys: dict):
   """(our key, our value) of a TOML key, or None when it has no effect here; raises for the
-  refused ones. Keys of a section come as "section.key"."""
+  refused ones. Keys of a section come as "section.key"; `keys`: the family's `schema.keys`."""
   if key in REFUSED:
-    raise UserError(f"{where}: {key}: {REFUSED[key]}")
+    raise UserError(f"{key}: {REFUSED[key]}")
   if key in NO_EFFECT:
     if key == "partition_method" and value != "parameters":
-      raise UserError(f"{where}: partition_method={value!r}: only 'parameters' (the default, "
+      raise UserError(f"partition_method={value!r}: only 'parameters' (the default, "
                       "balanced stages) exists here; set partition_split for your own boundaries")
     return None
-  if key == "dataset":
-    return "dataset.toml_path", dataset_path(value, "dataset", where)
   if key == "eval_datasets":
-    return "eval_datasets", eval_datasets(value, where)
-  if key == "video_clip_mode":
-    return "dataset.video_clip_mode", value
-  if key == "activation_checkpointing" and isinstance(value, (bool, str)) and value in ACTIVATION_CHECKPOINTING:
-    return key, ACTIVATION_CHECKPOINTING[value]
-  if key == "adapter.exclude_modules" and isinstance(value, str):
-    return key, (value,)
-  return key, tuple_of(value)
+    return "eval_datasets", eval_datasets(value)
+  renamed = {k.diffusion_pipe.name: name for name, k in keys.items()
+             if k.diffusion_pipe and k.diffusion_pipe.name}
+  ours = renamed.get(key, key)
+  theirs = keys[ours].diffusion_pipe if ours in keys else None
+  return ours, tuple_of(theirs.value(value) if theirs and theirs.value else value)
 
 
 def tuple_of(value):
@@ -129,14 +108,16 @@ def config_from_toml(path: str) -> tuple:
   if model_type is None:
     raise UserError(f"{path}: no [model] type; set it to one of {', '.join(family_lib.names())}")
   # Any value goes in as the TOML has it: validation names a wrong type with what is allowed.
-  config = ml_collections.ConfigDict({**family_config(model_type, path).to_dict(), **DEFAULTS},
-                                     type_safe=False)
+  config = ml_collections.ConfigDict(family_config(model_type, path).to_dict(), type_safe=False)
+  keys = schema.keys(family_lib.get(model_type))
+  config.update_from_flattened_dict({name: k.diffusion_pipe.default for name, k in keys.items()
+                                     if k.diffusion_pipe and k.diffusion_pipe.default is not None})
   flat, ignored, problems = flat_keys(toml, path), {}, []
   for key, value in flat.items():
     try:
-      translated = translate(key, value, path)
+      translated = translate(key, value, keys)
     except UserError as e:
-      problems.append(str(e))
+      problems.append(f"{path}: {e}")
       continue
     if translated is None:
       ignored[key] = NO_EFFECT[key]

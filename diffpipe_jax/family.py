@@ -81,7 +81,7 @@ class Family:
   diffusers_rows: Optional[tuple]
   single_file: Optional[SingleFile]  # the original single-file layout, if the family has one
   checkpoint_path: Callable  # model_config -> the transformer's path (a folder or a file)
-  config_rules: dict  # the family's own `model` keys -> their `rules.Rule` (validate.py)
+  model_keys: dict  # the family's own `model` keys -> their `rules.Key` (as `schema.SHARED`)
   make_module: Callable  # (cfg, dtype=, param_dtype=, attention_impl=, remat=, unrolled=,
   #                         kernels_in_place=) -> module
   stacks: Callable  # cfg -> ((stack name, layers, relative cost of a layer), ...), in order

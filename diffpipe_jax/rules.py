@@ -1,13 +1,36 @@
-"""The vocabulary of config rules: what a key allows, in words (for the error) and as a predicate.
-`validate.RULES` holds the shared keys' rules, a family's `config_rules` its own model keys'."""
+"""The vocabulary of the config schema: a `Key` (its default, its rule, what it does, how
+diffusion-pipe writes it) and the `Rule`s of what values a key allows. `schema.SHARED` declares
+the keys every family shares, a family's `model_keys` its own model keys."""
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
   allowed: str  # what is allowed, as the error says it
   ok: Callable[[Any], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusionPipe:
+  """How diffusion-pipe's training TOML has a key where it differs from ours (diffusion_pipe.py
+  reads it): its `name` there ("": ours), its `default` there (None: ours), and `value`: a value
+  there -> ours (None: the same)."""
+  name: str = ""
+  default: Any = None
+  value: Optional[Callable] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+  """One config key, declared once. `default`: its value, or a function of the model type;
+  `field_type`: the type an override parses as, where the default's own would not do (an int
+  that may become a list, a None that stands for a bool)."""
+  default: Any
+  rule: Rule
+  doc: str
+  diffusion_pipe: Optional[DiffusionPipe] = None
+  field_type: Optional[type] = None
 
 
 def _is_int(v):

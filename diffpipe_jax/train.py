@@ -157,7 +157,7 @@ def check_unfinished(run_dir: str, meta: dict, config):
 
 
 def run(config, *, resume=None, cache_only=False, regenerate_cache=False):
-  """Trains a LoRA as `config` says (configs/common.py); `resume`: a run directory name under
+  """Trains a LoRA as `config` says (its keys: schema.py); `resume`: a run directory name under
   `output_dir`, or "latest", to continue. Returns the run directory (None with `cache_only`).
   A user's mistake (and the device running out of memory) raises `UserError`."""
   try:

@@ -1,120 +1,15 @@
 """The whole training config checked in one place, before anything is written or loaded.
 
-Every key has a rule (what values are allowed, in words and as a predicate): the shared keys in
-`RULES`, a family's own model keys in its `Family.config_rules`. A key without a rule is an
-unknown key, so the table covers the config by construction (tests/test_validate.py checks every
-family's configs pass). Then the combinations, then the files. Each problem is one line naming the
-key, the value and what is allowed; all of them are reported together.
+Every key has a rule (what values are allowed, in words and as a predicate), declared with the
+key in `schema.SHARED` or the family's `model_keys`. A key without one is an unknown key. Then
+the combinations, then the files. Each problem is one line naming the key, the value and what is
+allowed; all of them are reported together.
 """
 import fnmatch
 import os
 
-from diffpipe_jax import data, family as family_lib, flow, optim, stacks, tiny
+from diffpipe_jax import data, schema, stacks, tiny
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.rules import FLAG, PROBABILITY, TEXT, Rule, choice, integer, number, numbers
-
-DTYPES = ("float32", "bfloat16", "float16")
-TRANSFORMER_DTYPES = ("", "float8")
-
-
-# The shared keys (configs/common.py); `eval_datasets.*`: one entry per eval set.
-RULES = {
-    "output_dir": Rule("a non-empty path", lambda v: isinstance(v, str) and bool(v)),
-    "seed": integer(0),
-    "generate_tiny": FLAG,
-    "epochs": integer(1),
-    "max_steps": integer(0),
-    "micro_batch_size_per_gpu": Rule(
-        "an integer >= 1, or a list of [resolution, batch] pairs of integers >= 1",
-        lambda v: integer(1).ok(v) or numbers(numbers(integer(1), length=2)).ok(v)),
-    "image_micro_batch_size_per_gpu": integer(0),
-    "eval_micro_batch_size_per_gpu": integer(0),
-    "eval_gradient_accumulation_steps": integer(1),
-    "partition_split": Rule("a list of increasing layer indices >= 1 (or empty)",
-                            lambda v: isinstance(v, (tuple, list)) and all(map(integer(1).ok, v))
-                            and list(v) == sorted(set(v))),
-    "force_constant_lr": number(0),
-    "save_every_n_examples": integer(0),
-    "checkpoint_every_n_epochs": integer(0),
-    "eval_every_n_examples": integer(0),
-    "disable_block_swap_for_eval": FLAG,
-    "huber_delta": number(0),
-    "smooth_l1_beta": number(0),
-    "uncond_fraction": PROBABILITY,
-    "x_axis_examples": FLAG,
-    "pipeline_stages": integer(1),
-    "sequence_parallel": integer(1),
-    "gradient_accumulation_steps": integer(1),
-    "gradient_clipping": number(0),
-    "warmup_steps": integer(0),
-    "lr_scheduler": choice(*optim.SCHEDULES),
-    "save_every_n_epochs": integer(0),
-    "save_every_n_steps": integer(0),
-    "save_dtype": choice(*DTYPES),
-    "checkpoint_every_n_minutes": number(0),
-    "checkpoint_every_n_steps": integer(0),
-    "checkpoints_to_keep": integer(1),
-    "activation_checkpointing": choice(*stacks.REMAT_POLICIES),
-    "unrolled": Rule("True, False or None (True where it can be)", lambda v: v is None or isinstance(v, bool)),
-    "compilation_cache_dir": TEXT,
-    "blocks_to_swap": integer(0),
-    "max_device_memory_gib": number(0),
-    "model.type": choice(*family_lib.names()),
-    "model.dtype": choice(*DTYPES),
-    "model.transformer_dtype": choice(*TRANSFORMER_DTYPES),
-    "model.timestep_sample_method": choice(*flow.TIMESTEP_METHODS),
-    "model.sigmoid_scale": number(0, above=True),
-    "model.shift": number(0, above=True),
-    "model.min_t": PROBABILITY,
-    "model.max_t": PROBABILITY,
-    "adapter.type": choice("lora"),
-    "adapter.rank": integer(1),
-    "adapter.dtype": choice("float32", "bfloat16"),
-    "adapter.dropout": number(0, below=1),
-    "adapter.init_from_existing": TEXT,
-    "adapter.exclude_modules": Rule("a list of module names", lambda v: isinstance(v, (tuple, list))
-                                    and all(isinstance(m, str) and m for m in v)),
-    "optimizer.type": Rule(f"one of {', '.join(map(repr, optim.OPTIMIZERS))}, in any case (automagic: "
-                           "no maintained JAX library implements it)",
-                           lambda v: isinstance(v, str) and v.lower() in optim.OPTIMIZERS),
-    "optimizer.lr": number(0, above=True),
-    "optimizer.betas": numbers(number(0, below=1), length=2),
-    "optimizer.weight_decay": number(0),
-    "optimizer.eps": number(0, above=True),
-    "monitoring.enable_wandb": FLAG,
-    "monitoring.wandb_api_key": TEXT,
-    "monitoring.wandb_tracker_name": TEXT,
-    "monitoring.wandb_run_name": TEXT,
-    "dataset.path": TEXT,
-    "dataset.toml_path": TEXT,
-    "dataset.resolutions": numbers(integer(1)),
-    "dataset.enable_ar_bucket": FLAG,
-    "dataset.min_ar": number(0, above=True),
-    "dataset.max_ar": number(0, above=True),
-    "dataset.num_ar_buckets": integer(1),
-    "dataset.num_repeats": integer(1),
-    "dataset.caption_prefix": TEXT,
-    "caching_batch_size": integer(1),
-    "eval_datasets.*.path": TEXT,
-    "eval_datasets.*.toml_path": TEXT,
-    "eval_every_n_steps": integer(0),
-    "eval_every_n_epochs": integer(0),
-    "eval_before_first_step": FLAG,
-    "sample_prompts": Rule("a list of prompts (or .txt files of a prompt a line)",
-                           lambda v: isinstance(v, (tuple, list)) and all(isinstance(p, str) for p in v)),
-    "sample_every_n_epochs": integer(0),
-    "sample_every_n_steps": integer(0),
-    "sample_steps": integer(0),
-    "sample_guidance": number(-1),
-    "sample_height": integer(0),
-    "sample_width": integer(0),
-    "sample_frames": integer(1),
-    "sample_seed": integer(0),
-    "sample_before_first_step": FLAG,
-}
-
-# The dataset section also takes the rest of diffusion-pipe's dataset keys (media.py checks them).
-DATASET_KEYS_CHECKED_BY_MEDIA = ("dataset.*",)
 
 
 def flatten(config, prefix="") -> dict:
@@ -128,22 +23,19 @@ def flatten(config, prefix="") -> dict:
   return out
 
 
-def rules(family) -> dict:
-  return {**RULES, **{f"model.{k}": r for k, r in family.config_rules.items()}}
+def rule_for(name: str, keys: dict):
+  """The rule of a flattened key (exact, else the first matching pattern) in `keys`
+  (`schema.keys`), or None."""
+  key = keys.get(name) or next((k for p, k in keys.items() if fnmatch.fnmatchcase(name, p)), None)
+  return key.rule if key else None
 
 
-def rule_for(key: str, table: dict):
-  """The rule of a flattened key (exact, else the first matching pattern), or None."""
-  return table.get(key) or next((r for p, r in table.items() if fnmatch.fnmatchcase(key, p)), None)
-
-
-def value_problems(values: dict, table: dict) -> list:
+def value_problems(values: dict, keys: dict) -> list:
   problems = []
   for key, value in values.items():
-    rule = rule_for(key, table)
+    rule = rule_for(key, keys)
     if rule is None:
-      if not any(fnmatch.fnmatchcase(key, p) for p in DATASET_KEYS_CHECKED_BY_MEDIA):
-        problems.append(f"{key}: unknown key (a typo, or a key of another model family?)")
+      problems.append(f"{key}: unknown key (a typo, or a key of another model family?)")
     elif not rule.ok(value):
       problems.append(f"{key}={value!r}: must be {rule.allowed}")
   return problems
@@ -222,7 +114,7 @@ def file_problems(config, family) -> list:
 def check(config, family):
   """Raises `UserError` listing every problem of `config` (one line each), or returns."""
   # In stages, each reading only values that passed the one before.
-  problems = value_problems(flatten(config), rules(family))
+  problems = value_problems(flatten(config), schema.keys(family))
   problems = problems or combination_problems(config)
   problems = problems or file_problems(config, family)
   if problems:

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import xla_flags
-from diffpipe_jax import diffusion_pipe, family as family_lib, lora, models, sampling, tiny, validate
+from diffpipe_jax import diffusion_pipe, family as family_lib, lora, models, sampling, schema, tiny, validate
 from diffpipe_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,7 +154,7 @@ def test_values_are_checked_by_the_config_rules(in_tmp):
   config files do (the optimizer's name included)."""
   config, _ = translated(in_tmp, top="epochs = 1.5\nmicro_batch_size_per_gpu = [[512]]",
                          optimizer="automagic")
-  problems = validate.value_problems(validate.flatten(config), validate.rules(family_lib.get("flux")))
+  problems = validate.value_problems(validate.flatten(config), schema.keys(family_lib.get("flux")))
   assert any(p.startswith("epochs=1.5: must be an integer >= 1") for p in problems), problems
   assert any(p.startswith("micro_batch_size_per_gpu=((512,),): must be") for p in problems), problems
   assert any(p.startswith("optimizer.type='automagic'") for p in problems), problems

@@ -24,8 +24,9 @@ GENERIC = ("main.py", "diffpipe_jax/train.py", "diffpipe_jax/data.py", "diffpipe
            "diffpipe_jax/sharding/pipeline.py", "diffpipe_jax/stacks.py", "diffpipe_jax/programs.py",
            "diffpipe_jax/flow.py", "diffpipe_jax/optim.py", "diffpipe_jax/models/__init__.py",
            "diffpipe_jax/convert/loader.py", "diffpipe_jax/encoders/__init__.py",
-           "diffpipe_jax/sample.py", "diffpipe_jax/sampling.py", "sample.py", "diffpipe_jax/loop.py", "diffpipe_jax/cli.py",
-           "diffpipe_jax/configs/common.py",
+           "diffpipe_jax/sample.py", "diffpipe_jax/sampling.py", "sample.py", "diffpipe_jax/loop.py",
+           "diffpipe_jax/cli.py", "diffpipe_jax/configs/common.py", "diffpipe_jax/schema.py",
+           "diffpipe_jax/validate.py", "diffpipe_jax/rules.py",
            "diffpipe_jax/__main__.py")
 
 

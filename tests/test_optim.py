@@ -9,7 +9,7 @@ import pytest
 
 from conftest import family_config
 from tolerances import FLOAT32_REORDERING, assert_close
-from diffpipe_jax import optim, sharding, stacks, update, validate
+from diffpipe_jax import optim, schema, sharding, stacks, update, validate
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 
 # one matrix of 4096 values (8-bit moments in adamw8bit), one smaller (float32 moments)
@@ -163,8 +163,8 @@ def test_force_constant_lr_overrides_the_schedule_and_a_resumed_state():
 
 def test_optimizer_type_rule():
   for name in ("AdamW8bit", "Prodigy", "adamw_optimi", "ADAMW"):
-    assert validate.value_problems({"optimizer.type": name}, validate.RULES) == []
-  [problem] = validate.value_problems({"optimizer.type": "automagic"}, validate.RULES)
+    assert validate.value_problems({"optimizer.type": name}, schema.SHARED) == []
+  [problem] = validate.value_problems({"optimizer.type": "automagic"}, schema.SHARED)
   assert problem == ("optimizer.type='automagic': must be one of 'adamw', 'adamw_optimi', "
                      "'adamw8bit', 'prodigy', in any case (automagic: no maintained JAX library "
                      "implements it)")

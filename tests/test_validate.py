@@ -1,5 +1,6 @@
 """The config is checked whole before anything runs: every key has a rule, every bad value is one
 line naming the key, the value and what is allowed, and main.py stops on it without writing."""
+import fnmatch
 import os
 import subprocess
 import sys
@@ -8,8 +9,10 @@ import ml_collections
 import pytest
 
 from conftest import FAMILIES, family_config
-from diffpipe_jax import family as family_lib, validate
+from diffpipe_jax import family as family_lib, schema, validate
+from diffpipe_jax.configs import common
 from diffpipe_jax.errors import UserError
+from diffpipe_jax.rules import Rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,17 +40,31 @@ def problems(name, overrides):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_every_key_of_every_config_has_a_rule_and_passes(name):
-  table = validate.rules(family_lib.get(name))
-  keys = set()
+def test_the_schema_declares_every_key_of_every_config_once(name):
+  """The config is built from the schema, key for key; every key of every variant is declared
+  (a pattern's keys too: an eval set's, the dataset keys media.py checks) and passes its rule;
+  and every declaration is of a key some config has."""
+  keys = schema.keys(family_lib.get(name))
+  assert set(validate.flatten(common.base(name))) == {k for k in keys if "*" not in k}
+  flat = {}
   for variant in ("", "tiny"):
     config = family_config(name, variant)
-    flat = validate.flatten(config)
-    assert validate.value_problems(flat, table) == []
-    keys |= set(flat)
+    assert validate.value_problems(validate.flatten(config), keys) == []
+    flat.update(validate.flatten(config))
   assert validate.combination_problems(config) == []  # the tiny variant's
-  unused = [k for k in table if not any(validate.fnmatch.fnmatchcase(f, k) for f in keys)]
-  assert unused == [], f"rules for keys no config has: {unused}"
+  unused = [k for k in keys if not any(fnmatch.fnmatchcase(f, k) for f in flat)]
+  assert unused == [], f"keys no config has: {unused}"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_key_has_a_rule_and_a_doc(name):
+  """... and diffusion-pipe's default, where it has its own, differs from ours and passes the
+  rule."""
+  for key_name, key in schema.keys(family_lib.get(name)).items():
+    assert isinstance(key.rule, Rule) and key.doc.strip(), key_name
+    theirs = key.diffusion_pipe and key.diffusion_pipe.default
+    if theirs is not None:
+      assert theirs != key.default and key.rule.ok(theirs), key_name
 
 
 BAD = [  # (key, value, what the line says)

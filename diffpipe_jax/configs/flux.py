@@ -7,7 +7,8 @@
 
 Variants (the part after ':'): "" (FLUX.1-dev, bf16, rank 32) and "tiny" (a random tiny Flux
 generated on first use with a small synthetic captioned image set). Key names follow
-diffusion-pipe; the shared ones are in configs/common.py.
+diffusion-pipe; each is declared, with its default and what it does, in diffpipe_jax/schema.py
+(the shared ones) or in models/flux.py's `model_keys`.
 """
 from diffpipe_jax.configs import common
 
@@ -15,10 +16,6 @@ from diffpipe_jax.configs import common
 def get_config(arg=""):
   common.check_variant(__file__, arg)
   c = common.base("flux")
-  c.model.diffusers_path = ""  # a diffusers pipeline folder (holds transformer/, vae/, text encoders)
-  c.model.transformer_path = ""  # or a BFL single file (flux1-dev.safetensors); wins if set
-  c.model.flux_shift = False  # FluxPipeline's resolution-dependent shift instead of model.shift
-  c.model.guidance = 1.0  # the guidance embedding's input in training (FLUX.1-dev)
   if arg == "tiny":
     common.tiny(c)
   return c

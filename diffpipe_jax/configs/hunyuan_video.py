@@ -10,8 +10,9 @@
 
 Variants (the part after ':'): "" (bf16, rank 32) and "tiny" (a random tiny HunyuanVideo
 pipeline generated on first use, in diffusers' and Tencent's layouts, with a small synthetic
-set of captioned clips and images). Key names follow diffusion-pipe; the shared ones are in
-configs/common.py. Speed and memory per setting: BENCHMARKS.md#hunyuan.
+set of captioned clips and images). Key names follow diffusion-pipe; each is declared, with its
+default and what it does, in diffpipe_jax/schema.py (the shared ones) or in
+models/hunyuan_video.py's `model_keys`. Speed and memory per setting: BENCHMARKS.md#hunyuan.
 """
 from diffpipe_jax.configs import common
 from diffpipe_jax import tiny as tiny_defaults
@@ -20,15 +21,6 @@ from diffpipe_jax import tiny as tiny_defaults
 def get_config(arg=""):
   common.check_variant(__file__, arg)
   c = common.base("hunyuan-video")
-  c.model.diffusers_path = ""  # a diffusers HunyuanVideo folder (transformer, VAE, both text encoders)
-  c.model.ckpt_path = ""  # or Tencent's folder: hunyuan-video-t2v-720p/, text_encoder/, text_encoder_2/
-  # or ComfyUI's files, each winning over the folders for its part: the transformer (bf16 or
-  # fp8_e4m3fn .safetensors, or Tencent's .pt), the VAE, the LLaMA and CLIP folders
-  c.model.transformer_path = ""
-  c.model.vae_path = ""  # ComfyUI's VAE .safetensors, or Tencent's vae/pytorch_model.pt
-  c.model.llm_path = ""
-  c.model.clip_path = ""
-  c.model.guidance = 1.0  # the guidance embedding's input while training (x 1000 inside)
   c.dataset.resolutions = (512,)
   c.dataset.frame_buckets = (1, 33)  # 1 + 4k frames: the VAE's temporal factor is 4
   c.sample_frames = 33

@@ -9,7 +9,8 @@
 
 Variants (the part after ':'): "" (bf16, rank 32) and "tiny" (a random tiny LTX-Video pipeline
 generated on first use with a small synthetic set of captioned clips and images). Key names
-follow diffusion-pipe; the shared ones are in configs/common.py.
+follow diffusion-pipe; each is declared, with its default and what it does, in
+diffpipe_jax/schema.py (the shared ones) or in models/ltx_video.py's `model_keys`.
 """
 from diffpipe_jax.configs import common
 from diffpipe_jax import tiny as tiny_defaults
@@ -18,12 +19,6 @@ from diffpipe_jax import tiny as tiny_defaults
 def get_config(arg=""):
   common.check_variant(__file__, arg)
   c = common.base("ltx-video")
-  c.model.diffusers_path = ""  # a diffusers LTX-Video folder: the T5 encoder (and VAE, transformer)
-  c.model.single_file_path = ""  # or Lightricks' single file for transformer and VAE; wins if set
-  c.model.frame_rate = 25  # videos are decoded, and RoPE scaled, at this many frames per second
-  # with this probability a sample's first latent frame stays clean (t ~ 0, no loss on it): the
-  # model learns to continue a given first frame (image to video)
-  c.model.first_frame_conditioning_p = 0.0
   c.dataset.resolutions = (512,)
   c.dataset.frame_buckets = (1, 33, 65)  # 1 + 8k frames: the VAE's temporal factor is 8
   c.sample_frames = 33

@@ -23,7 +23,7 @@ from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import Family, Sampling, SingleFile, config_dataclass
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
-from diffpipe_jax.rules import FLAG, TEXT, number
+from diffpipe_jax.rules import FLAG, TEXT, Key, number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +300,13 @@ FAMILY = Family(
         # BFL's metadata holds no config
         config=lambda shapes, metadata, axes: config_from_single_file(shapes, axes)),
     checkpoint_path=checkpoint_path,
-    config_rules=dict(diffusers_path=TEXT, transformer_path=TEXT, flux_shift=FLAG, guidance=number(0)),
+    model_keys=dict(
+        diffusers_path=Key(
+            "", TEXT, "a diffusers pipeline folder (holds transformer/, vae/, text encoders)"),
+        transformer_path=Key("", TEXT, "or a BFL single file (flux1-dev.safetensors); wins if set"),
+        flux_shift=Key(
+            False, FLAG, "FluxPipeline's resolution-dependent shift instead of model.shift"),
+        guidance=Key(1.0, number(0), "the guidance embedding's input in training (FLUX.1-dev)")),
     make_module=Flux,
     stacks=block_stacks,
     stacked=STACKED,

@@ -26,7 +26,7 @@ from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import Family, Sampling, SingleFile, config_dataclass
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
-from diffpipe_jax.rules import TEXT, number
+from diffpipe_jax.rules import TEXT, Key, number
 
 GUIDANCE_SCALE = 1000.0  # the model takes guidance * 1000, as HunyuanVideoPipeline passes it
 TIMESTEP_SCALE = 1000.0  # and sigma * 1000
@@ -408,8 +408,21 @@ FAMILY = Family(
         config=config_from_single_file,
         locations=(OFFICIAL_FILE, f"{OFFICIAL_MODEL}/{OFFICIAL_FILE}")),
     checkpoint_path=checkpoint_path,
-    config_rules=dict(diffusers_path=TEXT, ckpt_path=TEXT, transformer_path=TEXT, vae_path=TEXT,
-                      llm_path=TEXT, clip_path=TEXT, guidance=number(0)),
+    model_keys=dict(
+        diffusers_path=Key(
+            "", TEXT, "a diffusers HunyuanVideo folder (transformer, VAE, both text encoders)"),
+        ckpt_path=Key(
+            "", TEXT,
+            "or Tencent's folder: hunyuan-video-t2v-720p/, text_encoder/, text_encoder_2/"),
+        transformer_path=Key(
+            "", TEXT, "or ComfyUI's transformer (bf16 or fp8_e4m3fn .safetensors), or Tencent's "
+            ".pt; wins over the folders"),
+        vae_path=Key("", TEXT, "ComfyUI's VAE .safetensors, or Tencent's vae/pytorch_model.pt; "
+                     "wins over the folders"),
+        llm_path=Key("", TEXT, "ComfyUI's LLaMA text encoder folder; wins over the folders"),
+        clip_path=Key("", TEXT, "ComfyUI's CLIP-L text encoder folder; wins over the folders"),
+        guidance=Key(
+            1.0, number(0), "the guidance embedding's input while training (x 1000 inside)")),
     make_module=HunyuanVideo,
     stacks=block_stacks,
     stacked=STACKED,

@@ -28,7 +28,7 @@ from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import Family, Sampling, SingleFile, config_dataclass
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
-from diffpipe_jax.rules import PROBABILITY, TEXT, number
+from diffpipe_jax.rules import PROBABILITY, TEXT, Key, number
 
 VAE_TEMPORAL_RATIO = 8  # video frames per latent frame
 VAE_SPATIAL_RATIO = 32  # pixels per latent row or column
@@ -420,8 +420,18 @@ FAMILY = Family(
         foreign=("vae.",),
         config=config_from_single_file),
     checkpoint_path=checkpoint_path,
-    config_rules=dict(diffusers_path=TEXT, single_file_path=TEXT, frame_rate=number(0, above=True),
-                      first_frame_conditioning_p=PROBABILITY),
+    model_keys=dict(
+        diffusers_path=Key(
+            "", TEXT, "a diffusers LTX-Video folder: the T5 encoder (and VAE, transformer)"),
+        single_file_path=Key(
+            "", TEXT, "or Lightricks' single file for transformer and VAE; wins if set"),
+        frame_rate=Key(
+            25, number(0, above=True),
+            "videos are decoded, and RoPE scaled, at this many frames per second"),
+        first_frame_conditioning_p=Key(
+            0.0, PROBABILITY, "with this probability a sample's first latent frame stays clean "
+            "(t ~ 0, no loss on it): the model learns to continue a given first frame (image to "
+            "video)")),
     make_module=LTXVideo,
     stacks=block_stacks,
     stacked=STACKED,
