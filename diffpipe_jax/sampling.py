@@ -260,10 +260,12 @@ def defaults(family, config):
           family.sampling.guidance if config.sample_guidance < 0 else config.sample_guidance)
 
 
-def size(config):
+def size(config, multiple: int):
   """(frames, height, width) of the config's samples: its sample_* keys, else the first bucket
-  resolution (the dataset TOML's, when the config names one), square."""
+  resolution (the dataset TOML's, when the config names one), square, rounded down to the VAE's
+  pixel `multiple` as the buckets are (768x512's resolution 627 draws 608x608)."""
   side = config.dataset.resolutions[0]
   if config.dataset.toml_path:
     side = read_toml(config.dataset.toml_path).get("resolutions", media.DatasetSettings.resolutions)[0]
+  side = max(multiple, side // multiple * multiple)
   return config.sample_frames, config.sample_height or side, config.sample_width or side

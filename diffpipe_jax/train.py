@@ -62,12 +62,18 @@ def sampling_on(config) -> bool:
   return bool(config.sample_prompts) and bool(config.sample_every_n_epochs or config.sample_every_n_steps)
 
 
+def sample_size(config, encoders):
+  """The samples' (frames, height, width), checked before caching: a size the VAE cannot take is
+  said before the hours of caching, not after."""
+  return sampling.checked_size(encoders, *sampling.size(config, encoders.pixel_multiple))
+
+
 def encode_sample_prompts(config, family, encoders):
   """The sample prompts at the sample size, encoded once (kept in output_dir/.sample_prompts/, beside
   the runs, for the next run, a resume and the other processes)."""
   return sampling.encode_prompts(family, encoders, sampling.prompt_lines(config.sample_prompts),
-                               *sampling.size(config),
-                               cache_dir=os.path.join(config.output_dir, ".sample_prompts"))
+                                 *sample_size(config, encoders),
+                                 cache_dir=os.path.join(config.output_dir, ".sample_prompts"))
 
 
 def split_cost(split, balanced) -> str:
@@ -206,6 +212,8 @@ def prepare(config, on_exit: contextlib.ExitStack, resume=None, cache_only=False
   if path is not None:
     check_adapter(config, family, path)
   encoders = family_lib.torch_side(family).load_encoders(config.model)
+  if sampling_on(config):
+    sample_size(config, encoders)
   cached = prompts = None
   if is_main_process:
     cached = cache_datasets(config, family, encoders, regenerate_cache)

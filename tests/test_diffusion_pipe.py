@@ -169,7 +169,7 @@ def test_keys_are_taken_with_diffusion_pipes_meaning_and_defaults(in_tmp):
   assert config.activation_checkpointing == "block_offload" and config.adapter.exclude_modules == ("proj_out",)
   assert set(ignored) == {"steps_per_print", "partition_method"}
   assert translated(in_tmp)[0].activation_checkpointing == "block"  # `true` in the TOML
-  assert sampling.size(config) == (1, 32, 32)  # samples at the dataset TOML's first resolution
+  assert sampling.size(config, 16) == (1, 32, 32)  # samples at the dataset TOML's first resolution
   # a TOML without them: diffusion-pipe's defaults, not ours
   with open(in_tmp / "bare.toml", "w") as f:
     f.write("output_dir = 'out'\ndataset = 'dataset.toml'\nepochs = 1\nmicro_batch_size_per_gpu = 1\n"

@@ -6,6 +6,7 @@ import os
 import diffusers
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 import torch
@@ -248,6 +249,15 @@ def test_a_lora_scale_that_is_not_a_number_is_one_line(tmp_path):
   with pytest.raises(UserError, match=r"^the scale 'abc' of --lora path:abc is not a number \(--lora PATH "
                                       r"or PATH:SCALE\)$"):
     sample.lora_argument("path:abc")
+
+
+def test_the_default_sample_size_is_the_first_resolution_rounded_down_to_the_vaes_multiple():
+  config = ml_collections.ConfigDict(dict(dataset=dict(resolutions=(627,), toml_path=""), sample_frames=1,
+                                          sample_height=0, sample_width=0))
+  assert sampling.size(config, 32) == (1, 608, 608)  # 768x512's resolution, as the buckets round
+  assert sampling.size(config, 16) == (1, 624, 624)
+  config.sample_width = 768
+  assert sampling.size(config, 32) == (1, 608, 768)  # a size given is kept (and checked: below)
 
 
 def test_a_sample_size_the_vae_cannot_take_is_one_line():

@@ -430,6 +430,14 @@ def test_a_full_disk_at_export_and_a_stalled_run_are_said_in_one_line(tmp_path, 
   assert out.count("the gradient norm is 0: the LoRA has stopped learning") == 1, out  # warned once
 
 
+def test_a_sample_size_the_vae_cannot_take_is_said_before_caching(tmp_path, monkeypatch, name=MACHINERY_FAMILY):
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(train, "cache_datasets", lambda *args: pytest.fail("cached before the check"))
+  with pytest.raises(UserError, match=r"^sample size: height 30 is not a multiple of"):
+    train.run(tiny_config(name, output_dir=str(tmp_path / "out"), sample_prompts=("a red pattern",),
+                          sample_every_n_epochs=1, sample_height=30))
+
+
 def test_divergence_is_a_zero_gradient_or_a_loss_ten_times_the_first_steps():
   first = [1.0] * loop.DIVERGENCE_BASELINE_STEPS
   assert loop.divergence(1.2, 0.5, first) is None
