@@ -222,8 +222,8 @@ SHARED = {
     "sample_steps": Key(
         0, integer(0), "0: the family's diffusers pipeline's default (its `Family.sampling`)"),
     "sample_guidance": Key(-1.0, number(-1), "< 0: the family's diffusers pipeline's default"),
-    "sample_height": Key(0, integer(0), "pixels; 0: the first of dataset.resolutions"),
-    "sample_width": Key(0, integer(0), "pixels; 0: the first of dataset.resolutions"),
+    "sample_height": Key(0, integer(0), "pixels; 0: the first of dataset.resolutions (to the VAE's multiple)"),
+    "sample_width": Key(0, integer(0), "pixels; 0: the first of dataset.resolutions (to the VAE's multiple)"),
     "sample_frames": Key(1, integer(1), "video families: 1 + k times the VAE's temporal factor"),
     "sample_seed": Key(0, integer(0), "prompt i is drawn from noise of seed sample_seed + i"),
     "sample_before_first_step": Key(
