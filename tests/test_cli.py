@@ -50,6 +50,11 @@ def test_outside_a_checkout_a_missing_config_file_names_the_packages(monkeypatch
   assert all(os.path.isfile(os.path.join(cli.CONFIGS, f)) for f in ("flux.py", "common.py", "diffusion_pipe.py"))
 
 
+def test_an_override_of_a_key_that_does_not_exist_is_one_line_with_the_nearest_key(monkeypatch):
+  assert parse_error(monkeypatch, "--config", "configs/flux.py:tiny", "--config.optimizer.lrr=1e-3") == (
+      'error: --config.optimizer.lrr: the config has no key \'lrr\'; did you mean "lr"?')
+
+
 WRONG_TYPES = [  # (overrides, the line): the key, the value and what the key takes
     (["--config.adapter.rank=abc"], "--config.adapter.rank=abc: must be an integer >= 1"),
     (["--config.seed=3", "--config.epochs=1.5"], "--config.epochs=1.5: must be an integer >= 1"),

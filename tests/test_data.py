@@ -2,8 +2,6 @@
 import glob
 import os
 import re
-import subprocess
-import sys
 import types
 
 import numpy as np
@@ -11,8 +9,8 @@ import pytest
 from PIL import Image
 
 import test_media
-from conftest import FAMILIES, load_encoders
-from diffpipe_jax import data, family as family_lib, media, tiny
+from conftest import FAMILIES, family_config, load_encoders
+from diffpipe_jax import data, family as family_lib, media, tiny, train
 from diffpipe_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,19 +131,17 @@ def test_edited_image_is_the_only_one_recached(tmp_path, encoders, monkeypatch):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_cache_only_with_a_diffusion_pipe_toml(tmp_path, name):
+def test_cache_only_with_a_diffusion_pipe_toml(tmp_path, monkeypatch, capsys, name):
   images = tiny.write_image_dataset(str(tmp_path / "images"))
   toml = tmp_path / "dataset.toml"
   toml.write_text(f'resolutions = [32]\nenable_ar_bucket = true\n\n[[directory]]\npath = "{images}"\n'
                   'num_repeats = 2\n')
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), "--config",
-                        os.path.join(ROOT, "configs", name.replace("-", "_") + ".py") + ":tiny", "--cache_only",
-                        f"--config.dataset.toml_path={toml}", "--config.dataset.path=",
-                        f"--config.output_dir={tmp_path}/out"],
-                       env=dict(os.environ, PYTHONPATH=ROOT), cwd=tmp_path, text=True,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-  assert out.returncode == 0, out.stdout
-  assert "cached; exiting" in out.stdout
+  monkeypatch.chdir(tmp_path)  # the tiny model's default paths
+  config = family_config(name)
+  config.update_from_flattened_dict({"dataset.toml_path": str(toml), "dataset.path": "",
+                                     "output_dir": f"{tmp_path}/out"})
+  assert train.run(config, cache_only=True) is None
+  assert "cached; exiting" in capsys.readouterr().out
   assert os.path.isfile(os.path.join(images, "cache", name, "manifest.json"))
   # caching alone starts no run (it caches the sample prompts too, in out/.sample_prompts/)
   assert not glob.glob(str(tmp_path / "out" / "*"))

@@ -166,24 +166,23 @@ def resume_refusals_are_one_line(tmp_path, name, run_a, run_b, args):
   assert refused.stdout.strip().splitlines()[-1] == (
       f"error: the run directory {run_b} is in use by pid {os.getpid()} on host "
       f"{socket.gethostname()}; wait for it to finish or stop it"), refused.stdout
+  config = lambda output, **overrides: tiny_config(name, **{"epochs": 4, "checkpoint_every_n_steps": 2,
+                                                            "output_dir": str(tmp_path / output), **overrides})
   # a resume whose settings change the training state names them, before restoring anything
-  changed = run_main(tmp_path, name, "--resume_from_checkpoint", "--config.adapter.rank=8", *args, output="b")
-  last = changed.stdout.strip().splitlines()[-1]
-  assert changed.returncode != 0 and last.startswith(f"error: cannot resume {run_b}"), changed.stdout
-  assert "adapter.rank: 4 -> 8" in last and "Traceback" not in changed.stdout, changed.stdout
+  with pytest.raises(UserError, match=f"^cannot resume {re.escape(run_b)}.*adapter.rank: 4 -> 8"):
+    train.run(config("b", **{"adapter.rank": 8}), resume="latest")
   assert not os.path.exists(os.path.join(run_b, "config_resumed.json"))
   # starting from a LoRA of another rank: one line, and no run directory
-  other = run_main(tmp_path, name, f"--config.adapter.init_from_existing={run_a}/epoch4",
-                   "--config.adapter.rank=8", *args, output="d")
-  assert other.returncode != 0 and other.stdout.strip().splitlines()[-1].endswith(
-      "has rank 4, this adapter rank 8: set adapter.rank=4 to continue it"), other.stdout
-  assert not os.path.exists(tmp_path / "d")
+  with pytest.raises(UserError, match="has rank 4, this adapter rank 8: set adapter.rank=4 to continue it$"):
+    train.run(config("d", **{"adapter.rank": 8, "adapter.init_from_existing": f"{run_a}/epoch4"}))
+  assert not glob.glob(str(tmp_path / "d" / "*"))
   # a complete run, before any work: max_steps only stops a run early (the issue's case)
-  complete = run_main(tmp_path, name, "--resume_from_checkpoint", "--config.max_steps=14", *args, output="a")
-  assert complete.returncode != 0 and complete.stdout.strip().splitlines()[-1] == (
-      f"error: --resume_from_checkpoint: {run_a} is complete: its checkpoint is at step 12, where "
+  with pytest.raises(UserError) as complete:
+    train.run(config("a", max_steps=14), resume="latest")
+  assert str(complete.value) == (
+      f"--resume_from_checkpoint: {run_a} is complete: its checkpoint is at step 12, where "
       "epochs=4 (3 steps each) end (max_steps=14 only stops a run early); to train on, raise epochs "
-      "(e.g. --config.epochs=5)"), complete.stdout
+      "(e.g. --config.epochs=5)")
   assert not os.path.exists(os.path.join(run_a, "config_resumed.json"))
 
 
@@ -238,7 +237,7 @@ def board_events(run_dir):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_resume_gives_the_same_run(tmp_path, monkeypatch, name):
+def test_resume_gives_the_same_run(tmp_path, monkeypatch, capsys, name):
   args = ["--config.epochs=4", "--config.checkpoint_every_n_steps=2"]  # 3 steps an epoch
   # the full run in-process (the trainer is importable): its files under tmp_path
   monkeypatch.chdir(tmp_path)
@@ -251,9 +250,9 @@ def test_resume_gives_the_same_run(tmp_path, monkeypatch, name):
   assert [m["epoch"] for m in read_metrics(run_a, "train/epoch_loss")] == [1, 2, 3, 4]
   assert [m["step"] for m in read_metrics(run_a, "tiny_eval/loss")] == [0, 3, 6, 9, 12]
   samples_written_at(run_a, [0, 6, 12], family_config(name))
-  half = run_main(tmp_path, name, "--config.max_steps=5", *args, output="b")  # stops mid-epoch
-  assert half.returncode == 0, half.stdout
-  (run_b,) = glob.glob(str(tmp_path / "b" / "*"))
+  config_b = lambda **overrides: tiny_config(name, epochs=4, checkpoint_every_n_steps=2,
+                                             output_dir=str(tmp_path / "b"), **overrides)
+  run_b = train.run(config_b(max_steps=5))  # stops mid-epoch
   if name == MACHINERY_FAMILY:
     resume_refusals_are_one_line(tmp_path, name, run_a, run_b, args)
   # resumed (the machinery's family: with all but one of the blocks' weights in host memory,
@@ -261,11 +260,11 @@ def test_resume_gives_the_same_run(tmp_path, monkeypatch, name):
   path = fam.checkpoint_path(tiny_config(name).model)
   blocks = sum(length for _, length, _ in fam.stacks(models.checkpoint_config(name, path))) - 1
   blocks = blocks if name == MACHINERY_FAMILY else 0
-  resumed = run_main(tmp_path, name, "--resume_from_checkpoint", f"--config.blocks_to_swap={blocks}",
-                     *args, output="b")
-  assert resumed.returncode == 0, resumed.stdout
-  assert "resumed" in resumed.stdout
-  assert not blocks or swap_message(fam, path, blocks) in resumed.stdout, resumed.stdout
+  capsys.readouterr()
+  train.run(config_b(blocks_to_swap=blocks), resume="latest")
+  out = capsys.readouterr().out
+  assert "resumed" in out, out
+  assert not blocks or swap_message(fam, path, blocks) in out, out
   losses_a = [m["train/loss"] for m in read_metrics(run_a)]
   losses_b = [m["train/loss"] for m in read_metrics(run_b)]
   assert len(losses_a) == len(losses_b) == 12
@@ -307,19 +306,18 @@ def resumes_across_layouts(tmp_path, name, args, losses_a):
   samples_written_at(run_c, [6, 12], family_config(name))
 
 
-def test_config_typo_is_a_clear_error(tmp_path, name=MACHINERY_FAMILY):
-  out = run_main(tmp_path, name, "--config.optimizer.lrr=1e-3")
-  assert out.returncode != 0 and 'optimizer.lrr: the config has no key \'lrr\'; did you mean "lr"?' in out.stdout, out.stdout
-  assert len(out.stdout.strip().splitlines()) == 1, out.stdout
+def test_config_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, name=MACHINERY_FAMILY):
+  """(An override of a key that does not exist: tests/test_cli.py.)"""
   out = run_main(tmp_path, name, "--config.pipeline_stages=2", "--config.unrolled=True", devices=2)
-  assert out.returncode != 0 and "set unrolled=False" in out.stdout, out.stdout
+  assert out.returncode != 0 and out.stdout.strip().splitlines()[-1].endswith("set unrolled=False"), out.stdout
   assert "Traceback" not in out.stdout, out.stdout  # a user's error is one line
-  out = run_main(tmp_path, name, "--config.activation_checkpointing=blok")
-  assert out.returncode != 0 and "activation_checkpointing='blok': must be one of" in out.stdout, out.stdout
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(UserError, match=r"^activation_checkpointing='blok': must be one of"):
+    train.run(tiny_config(name, output_dir=str(tmp_path / "out"), activation_checkpointing="blok"))
   # an exclusion that excludes nothing is refused before the datasets are cached
-  out = run_main(tmp_path, name, "--config.adapter.exclude_modules=('to_qq',)")
-  assert out.returncode != 0 and "entry 'to_qq' excludes no LoRA target" in out.stdout, out.stdout
-  assert not glob.glob(str(tmp_path / "**" / "*.npy"), recursive=True), out.stdout
+  with pytest.raises(UserError, match="entry 'to_qq' excludes no LoRA target"):
+    train.run(tiny_config(name, **{"output_dir": str(tmp_path / "out"), "adapter.exclude_modules": ("to_qq",)}))
+  assert not glob.glob(str(tmp_path / "**" / "*.npy"), recursive=True)
 
 
 def fake_step(loss, grad_norm):
