@@ -99,6 +99,14 @@ def t5_encoder(tokenizer, d_model):
       feed_forward_proj="gated-gelu")).eval())
 
 
+def build(cls, seed, *args, **kwargs):
+  """A random `cls(*args, **kwargs)` (a torch module, eval mode) from `seed`: torch's init, then
+  `randomize_`."""
+  import torch
+  torch.manual_seed(seed)
+  return randomize_(cls(*args, **kwargs).eval())
+
+
 def randomize_(model, scale=0.2):
   """Adds noise to every parameter (norms included) so that no weight is at its trivial init."""
   import torch

@@ -165,6 +165,25 @@ def load_encoders(name, pipeline, **options):
   return family_lib.torch_side(family_lib.get(name)).load_encoders(model_config, device="cpu", **options)
 
 
+# A family's torch-side test module names its family (`FAMILY`) and diffusers pipeline class
+# (`PIPELINE`); these fixtures give it the tiny pipeline's folder, the pipeline and our encoders.
+@pytest.fixture(scope="module")
+def pipeline(request, tiny_pipelines):
+  return tiny_pipelines(request.module.FAMILY)
+
+
+@pytest.fixture(scope="module")
+def pipe(request, pipeline):
+  return request.module.PIPELINE.from_pretrained(pipeline).to("cpu")
+
+
+@pytest.fixture(scope="module")
+def encoders(request, pipeline):
+  enc = load_encoders(request.module.FAMILY, pipeline)
+  yield enc
+  enc.release()
+
+
 @contextlib.contextmanager
 def diffusers_hidden_size(hidden_size):
   """diffusers' HunyuanVideo conversions (`convert_hunyuan_video_transformer_to_diffusers` and

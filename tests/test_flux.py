@@ -103,17 +103,7 @@ def test_default_lora_targets_cover_every_block_linear(flux_checkpoints):
 
 # ---- the torch side: cached latents and embeddings -----------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def pipeline(tiny_pipelines):
-  return tiny_pipelines("flux")
-
-
-@pytest.fixture(scope="module")
-def encoders(pipeline):
-  enc = load_encoders("flux", pipeline)
-  yield enc
-  enc.release()
+FAMILY = "flux"  # (the fixtures of conftest.py: pipeline, encoders)
 
 
 def test_cache_matches_flux_pipeline(pipeline, encoders, tmp_path):

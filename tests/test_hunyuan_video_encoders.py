@@ -14,7 +14,7 @@ from diffusers import HunyuanVideoPipeline
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 from safetensors.numpy import load_file
 
-from conftest import load_encoders, transformers_log
+from conftest import transformers_log
 from tolerances import assert_close
 from diffpipe_jax import cache, data, tiny
 from diffpipe_jax.convert.tensorfile import write_safetensors
@@ -22,30 +22,14 @@ from diffpipe_jax.encoders import hunyuan_video
 from diffpipe_jax.encoders.hunyuan_video import HunyuanVideoEncoders
 from diffpipe_jax.errors import UserError
 
+FAMILY, PIPELINE = "hunyuan-video", HunyuanVideoPipeline  # (the fixtures of conftest.py)
 LONG = "a slow pan over a red and green pattern " * 8  # past 256 LLaMA and 77 CLIP tokens (bytes)
 TEMPLATES = {1: hunyuan_video.IMAGE_TEMPLATE, 9: hunyuan_video.VIDEO_TEMPLATE}
 
 
 @pytest.fixture(scope="module")
-def pipeline(tiny_pipelines):
-  return tiny_pipelines("hunyuan-video")
-
-
-@pytest.fixture(scope="module")
 def ckpts(pipeline):
   return f"{pipeline}/ckpts"
-
-
-@pytest.fixture(scope="module")
-def pipe(pipeline):
-  return HunyuanVideoPipeline.from_pretrained(pipeline).to("cpu")
-
-
-@pytest.fixture(scope="module")
-def encoders(pipeline):
-  enc = load_encoders("hunyuan-video", pipeline)
-  yield enc
-  enc.release()
 
 
 @pytest.fixture(scope="module")

@@ -16,24 +16,8 @@ from tolerances import assert_close
 from diffpipe_jax.encoders import ltx_video
 from diffpipe_jax.errors import UserError
 
+FAMILY, PIPELINE = "ltx-video", LTXPipeline  # (the fixtures of conftest.py)
 LONG = "a slow pan over a red and green pattern " * 8  # past the 128 tokens of the character T5
-
-
-@pytest.fixture(scope="module")
-def pipeline(tiny_pipelines):
-  return tiny_pipelines("ltx-video")
-
-
-@pytest.fixture(scope="module")
-def pipe(pipeline):
-  return LTXPipeline.from_pretrained(pipeline).to("cpu")
-
-
-@pytest.fixture(scope="module")
-def encoders(pipeline):
-  enc = load_encoders("ltx-video", pipeline)
-  yield enc
-  enc.release()
 
 
 @pytest.fixture(scope="module")

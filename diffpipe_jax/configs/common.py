@@ -49,3 +49,14 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.sample_every_n_epochs = 2
   c.sample_steps = 4
   return c
+
+
+def tiny_video(c: ml_collections.ConfigDict, frame_buckets) -> ml_collections.ConfigDict:
+  """The `:tiny` variant of a video family: `tiny`'s settings on the synthetic clips and images
+  at 64 pixels, in `frame_buckets`, the samples of their middle length."""
+  tiny(c)
+  c.dataset.path = tiny_defaults.VIDEOS
+  c.dataset.resolutions = (64,)
+  c.dataset.frame_buckets = frame_buckets
+  c.sample_frames = frame_buckets[1]
+  return c

@@ -15,7 +15,6 @@ default and what it does, in diffpipe_jax/schema.py (the shared ones) or in
 models/hunyuan_video.py's `model_keys`. Speed and memory per setting: BENCHMARKS.md#hunyuan.
 """
 from diffpipe_jax.configs import common
-from diffpipe_jax import tiny as tiny_defaults
 
 
 def get_config(arg=""):
@@ -25,11 +24,7 @@ def get_config(arg=""):
   c.dataset.frame_buckets = (1, 33)  # 1 + 4k frames: the VAE's temporal factor is 4
   c.sample_frames = 33
   if arg == "tiny":
-    common.tiny(c)
-    c.dataset.path = tiny_defaults.VIDEOS
-    c.dataset.resolutions = (64,)
     # at 24 fps and sides of 16 the tiny clips and images fill three buckets of four (64x64x17,
     # 80x48x5, 80x48x1): 3 steps an epoch, as the other families' tiny runs
-    c.dataset.frame_buckets = (1, 5, 17)
-    c.sample_frames = 5
+    common.tiny_video(c, frame_buckets=(1, 5, 17))
   return c

@@ -13,7 +13,6 @@ follow diffusion-pipe; each is declared, with its default and what it does, in
 diffpipe_jax/schema.py (the shared ones) or in models/ltx_video.py's `model_keys`.
 """
 from diffpipe_jax.configs import common
-from diffpipe_jax import tiny as tiny_defaults
 
 
 def get_config(arg=""):
@@ -23,10 +22,6 @@ def get_config(arg=""):
   c.dataset.frame_buckets = (1, 33, 65)  # 1 + 8k frames: the VAE's temporal factor is 8
   c.sample_frames = 33
   if arg == "tiny":
-    common.tiny(c)
-    c.dataset.path = tiny_defaults.VIDEOS
-    c.dataset.resolutions = (64,)
-    c.dataset.frame_buckets = (1, 9, 17)
-    c.sample_frames = 9
+    common.tiny_video(c, frame_buckets=(1, 9, 17))
     c.model.first_frame_conditioning_p = 0.5
   return c

@@ -385,40 +385,32 @@ TINY_CLIP_VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=
 
 def build_tiny(seed=0, **overrides):
   """A random diffusers `HunyuanVideoTransformer3DModel` (float32, eval mode)."""
-  import torch
   from diffusers import HunyuanVideoTransformer3DModel
-  torch.manual_seed(seed)
-  return tiny.randomize_(HunyuanVideoTransformer3DModel(**{**TINY_HUNYUAN, **overrides}).eval())
+  return tiny.build(HunyuanVideoTransformer3DModel, seed, **{**TINY_HUNYUAN, **overrides})
 
 
 def build_tiny_vae(seed=0):
   """A random `AutoencoderKLHunyuanVideo` (float32, eval mode)."""
-  import torch
   from diffusers import AutoencoderKLHunyuanVideo
-  torch.manual_seed(seed)
-  return tiny.randomize_(AutoencoderKLHunyuanVideo(**TINY_VAE).eval())
+  return tiny.build(AutoencoderKLHunyuanVideo, seed, **TINY_VAE)
 
 
 def build_tiny_llama(tokenizer, hidden_size, seed=0):
   """A random `LlamaModel` (grouped-query attention, as LLaMA-3) over `tokenizer`'s ids."""
-  import torch
   from transformers import LlamaConfig, LlamaModel
-  torch.manual_seed(seed)
   config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                        **dict(TINY_LLAMA, hidden_size=hidden_size))
-  return tiny.randomize_(LlamaModel(config).eval())
+  return tiny.build(LlamaModel, seed, config)
 
 
 def build_tiny_clip(tokenizer, hidden_size, seed=0):
   """A random `CLIPTextModel` over `tokenizer`'s ids (`tiny.clip_tokenizer`)."""
-  import torch
   from transformers import CLIPTextConfig, CLIPTextModel
-  torch.manual_seed(seed)
   bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
   config = CLIPTextConfig(vocab_size=len(tokenizer), bos_token_id=bos, eos_token_id=eos,
                           pad_token_id=eos, **dict(TINY_CLIP, hidden_size=hidden_size))
-  return tiny.randomize_(CLIPTextModel(config).eval())
+  return tiny.build(CLIPTextModel, seed, config)
 
 
 def tencent_transformer(model):

@@ -204,18 +204,15 @@ PREFIX = "model.diffusion_model."  # of the transformer, in a file that also hol
 
 def build_tiny(seed=0, **overrides):
   """A random diffusers `LTXVideoTransformer3DModel` (float32, eval mode)."""
-  import torch
   from diffusers import LTXVideoTransformer3DModel
-  torch.manual_seed(seed)
-  return tiny.randomize_(LTXVideoTransformer3DModel(**{**TINY_LTX, **overrides}).eval())
+  return tiny.build(LTXVideoTransformer3DModel, seed, **{**TINY_LTX, **overrides})
 
 
 def build_tiny_vae(seed=0):
   """A random `AutoencoderKLLTXVideo` (float32, eval mode), latent statistics included."""
   import torch
   from diffusers import AutoencoderKLLTXVideo
-  torch.manual_seed(seed)
-  vae = tiny.randomize_(AutoencoderKLLTXVideo(**TINY_VAE).eval())
+  vae = tiny.build(AutoencoderKLLTXVideo, seed, **TINY_VAE)
   channels = vae.config.latent_channels
   vae.latents_mean.copy_(torch.randn(channels) * 0.5)
   vae.latents_std.copy_(torch.rand(channels) + 0.5)
