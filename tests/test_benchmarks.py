@@ -467,7 +467,9 @@ def test_full_job_recipes_name_keys_the_configs_have(family, tmp_path):
   config = module.get_config()
   assert config.dataset.path == os.path.join("/data", recipe["data"])
   family_config = importlib.import_module(f"diffpipe_jax.configs.{recipe['config']}").get_config()
-  assert set(recipe["model"]("/models")) <= set(family_config.model)  # update() adds any key
+  for layout, model_keys in recipe["layouts"].items():  # update() would add any key
+    assert set(model_keys("/models")) <= set(family_config.model), layout
+    assert layout in full_size.LAYOUTS[family], layout
   for card in recipe["cards"].values():
     for key in {**recipe["dataset"], **card["overrides"]}:
       *parents, name = key.split(".")
