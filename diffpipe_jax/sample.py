@@ -67,11 +67,11 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   for lora_path, _ in loras:  # before anything loads
     if not os.path.exists(lora_path):
       raise UserError(f"--lora {lora_path} does not exist")
+  path = tiny.checkpoint_path(config, family)
   encoders = family_lib.torch_side(family).load_encoders(config.model)  # (its models load when used)
   f, h, w = sampling.size(config, encoders.pixel_multiple)
   frames, height, width = frames or f, height or h, width or w
   paths = output_paths(out, len(texts), frames)
-  path = tiny.checkpoint_path(config, family)
   # the prompts first, their text encoders freed before JAX takes its pool (`device_memory`)
   prompts = sampling.encode_prompts(family, encoders, texts, frames, height, width)
   encoders.release()

@@ -601,7 +601,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
     args = (layout.to_stages(adapter), model.params, jax.tree.map(lambda x: x[None], batch),
             jax.random.split(jax.random.key(1), 1))
     if swap == most:  # disable_block_swap_for_eval: the evals on a device copy, the same losses
-      on_device = train.eval_weights(model.params, dict(disable_block_swap_for_eval=True), layout)
+      on_device = loop.eval_weights(model.params, dict(disable_block_swap_for_eval=True), layout)
       assert all(a.sharding.memory_kind == "device" for a in jax.tree.leaves(on_device))
       evaluate = update.make_eval(model, config, layout)
       assert_close(evaluate(args[0], on_device, batch, jax.random.key(2)),
