@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import jax
 
-from diffpipe_jax import programs, stacks
+from diffpipe_jax import programs, stacks as stacks_lib
 from diffpipe_jax.errors import UserError
 
 REMAT_POLICIES = {
@@ -26,7 +26,7 @@ REMAT_POLICIES = {
     "block_save_dots": programs.keeps_for_backward,
     # as "block", but each block's input waits for the backward pass in host memory
     "block_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=(stacks.BLOCK_INPUT,),
+        names_which_can_be_saved=(), names_which_can_be_offloaded=(stacks_lib.BLOCK_INPUT,),
         offload_src="device", offload_dst="pinned_host")}
 
 
@@ -62,7 +62,7 @@ def remat_policy(remat: str, unrolled: bool = False, pipelined: bool = False, sw
                     f"inputs on the device (activation_checkpointing={remat!r}, pipelined: "
                     f"{pipelined}); set unrolled=False")
   if pipelined and swapped:
-    raise UserError(stacks.SWAP_NEEDS_ONE_STAGE)
+    raise UserError(stacks_lib.SWAP_NEEDS_ONE_STAGE)
   return REMAT_POLICIES[remat]
 
 
@@ -108,14 +108,14 @@ class Runtime:
       return self
     return dataclasses.replace(self, pipeline=self.pipeline.single_microbatch())
 
-  def run_stacks(self, stacks_, x, per_sample, shared, *, key=None):
+  def run_stacks(self, stacks, x, per_sample, shared, *, key=None):
     """What a model calls to run its block stacks (`stacks.Stack`s): through the pipeline, or on
     one device (`stacks.run_stacks`), each block under the remat policy."""
     policy = REMAT_POLICIES[self.remat]
     if self.pipeline is not None:
-      return self.pipeline.run(stacks_, x, per_sample, shared, remat=policy, key=key)
-    return stacks.run_stacks(stacks_, x, per_sample, shared, remat=policy, key=key,
-                             unrolled=self.unrolled)
+      return self.pipeline.run(stacks, x, per_sample, shared, remat=policy, key=key)
+    return stacks_lib.run_stacks(stacks, x, per_sample, shared, remat=policy, key=key,
+                                 unrolled=self.unrolled)
 
   def traced(self, fn):
     """fn, traced under this runtime's matmul policy: a derivative's too, where fn takes one."""

@@ -521,7 +521,8 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(loaded):
       results["split", False] = loss, unrolled.to_layers(g)
       # the unrolled layers jitted whole, one program of every layer
       loss_and_grad = jax.value_and_grad(functools.partial(update.loss_fn, model=run, config=config))
-      grads = lambda adapter, params, batches, keys: loss_and_grad(adapter, params, batches[0], keys[0])
+      grads = lambda adapter, params, batches, keys: loss_and_grad(
+          adapter, params, jax.tree.map(lambda x: x[0], batches), keys[0])
     compiled = jax.jit(grads).lower(*args).compile()
     loss, g = compiled(*args)
     results[remat, scanned] = loss, unrolled.to_layers(g)
@@ -608,7 +609,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
     args = (layout.to_stages(adapter), model.params, jax.tree.map(lambda x: x[None], batch),
             jax.random.split(jax.random.key(1), 1))
     if swap == most:  # disable_block_swap_for_eval: the evals on a device copy, the same losses
-      on_device = train.eval_weights(model.params, dict(disable_block_swap_for_eval=True), layout)
+      on_device = loop.eval_weights(model.params, dict(disable_block_swap_for_eval=True), layout)
       assert all(a.sharding.memory_kind == "device" for a in jax.tree.leaves(on_device))
       evaluate = update.make_eval(model, config)
       assert_close(evaluate(args[0], on_device, batch, jax.random.key(2)),

@@ -42,12 +42,12 @@ class Transformer(Module, kw_only=True):
     block(x, *shared, *per_sample)) by `run_stacks` (the runtime's: `runtime.Runtime`); `specs`:
     the family's (name, length, cost) of each stack, its weights and LoRA this module's
     variables of that name."""
-    stacks_ = [stacks.Stack(name, block, length,
-                            stacked_params(self, name, block, length, x, *shared, *per_sample),
-                            self.get_variable("lora", name) if self.has_variable("lora", name) else None)
-               for (name, length, _), block in zip(specs, blocks)]
+    built = [stacks.Stack(name, block, length,
+                          stacked_params(self, name, block, length, x, *shared, *per_sample),
+                          self.get_variable("lora", name) if self.has_variable("lora", name) else None)
+             for (name, length, _), block in zip(specs, blocks)]
     key = self.make_rng("dropout") if self.lora_dropout > 0 else None
-    return run_stacks(stacks_, x, per_sample, shared, key=key)
+    return run_stacks(built, x, per_sample, shared, key=key)
 
 
 class Linear(Module):
