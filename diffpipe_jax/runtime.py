@@ -118,7 +118,9 @@ class Runtime:
                                  unrolled=self.unrolled)
 
   def traced(self, fn):
-    """fn, traced under this runtime's matmul policy: a derivative's too, where fn takes one."""
+    """fn with this runtime's matmul policy set while it runs, so while it is traced. A
+    derivative is wrapped whole (`value_and_grad`): its backward pass may trace the model's code
+    again (a custom_vjp's recomputation) after the forward pass has returned."""
     @functools.wraps(fn)
     def in_policy(*args, **kwargs):
       token = _KERNELS_IN_PLACE.set(self.kernels_in_place)
@@ -144,6 +146,6 @@ class Runtime:
   def value_and_grad(self, fn, jit_options=programs.JIT_OPTIONS):
     """jax.value_and_grad(fn) of its first argument: traced whole (to be jitted), or with the
     layers unrolled, run as programs per block, each jitted with `jit_options`."""
-    if self.unrolled:
+    if self.unrolled:  # (whose matmul policy is the default)
       return programs.value_and_grad(fn, jit_options)
     return self.traced(jax.value_and_grad(fn))
