@@ -179,19 +179,20 @@ def _abstract_model(a, device, remat):
   import importlib
   import jax
   import jax.numpy as jnp
-  from diffpipe_jax import family as family_lib, models, sharding
+  from diffpipe_jax import family as family_lib, models, runtime, sharding
   from diffpipe_jax.convert import table
 
   fam, shape = family_lib.get(a.model), train_step.SHAPES[a.model](a)
   config = importlib.import_module(f"diffpipe_jax.configs.{a.model.replace('-', '_')}").get_config("")
   config.adapter.rank = a.rank
   module = models.make_module(fam, shape.cfg, jnp.float32 if a.smoke else jnp.bfloat16, None,
-                              None if a.smoke else "cudnn", remat, unrolled=True)
+                              None if a.smoke else "cudnn")
   layout = sharding.make_layout(sharding.make_mesh(1, [device]), fam.stacks(shape.cfg), 1, unrolled=True)
   abstract = models.abstract_params(fam, module, shape.cfg)
   params = jax.eval_shape(lambda p: table.unflatten(
       {path: layout.settle(path, w) for path, w in table.flatten(p).items()}), abstract)
-  return models.Model(fam, shape.cfg, module, params), config, abstract, layout
+  model = models.Model(fam, shape.cfg, module, params, runtime.Runtime.of(layout, remat))
+  return model, config, abstract, layout
 
 
 def training_step(a, device):
@@ -206,7 +207,7 @@ def training_step(a, device):
   adapter = jax.eval_shape(lambda a_: lora.in_dtype(layout.to_stages(a_), model.module.dtype), adapter)
   batch = train_step.as_cached(train_step.SHAPES[a.model](a).batch(1), model.module.dtype)
   keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 1))
-  grads = update.grad_fn(model, config, unrolled=True, jit_options={})  # (options: at compile)
+  grads = update.grad_fn(model, config, jit_options={})  # (options: at compile)
   return grads, (adapter, model.params, jax.tree.map(lambda x: x[None], batch), keys)  # [A=1, ...]
 
 
@@ -219,7 +220,7 @@ def sampling(a, device):
   model, *_ = _abstract_model(a, device, "none")
   _, conditioning, uncond, noise, tokens = sample_steps.inputs(a)
   model_config = sample_steps.sampling_config(a)
-  steps = sampling.step_fn(model, model_config, a.guidance, split=True, jit_options={})
+  steps = sampling.step_fn(model, model_config, a.guidance, jit_options={})
   return (lambda params: sampling.denoise(model, params, None, model_config, conditioning, noise,
                                         (tokens,), a.sample, a.guidance, uncond=uncond, step=steps),
           (model.params,))

@@ -53,14 +53,14 @@ def sampling_config(a):
 def ours(a):
   import jax
   import jax.numpy as jnp
-  from diffpipe_jax import family as family_lib, models, sampling, sharding
+  from diffpipe_jax import family as family_lib, models, runtime, sampling, sharding
   fam = family_lib.get(a.model)
   shape, conditioning, uncond, noise, tokens = inputs(a)
   layout = sharding.make_layout(sharding.make_mesh(1), fam.stacks(shape.cfg), 1, 0, a.unrolled)
-  model = models.init_random(a.model, shape.cfg, jax.random.key(0), unrolled=a.unrolled,
+  model = models.init_random(a.model, shape.cfg, jax.random.key(0), runtime=runtime.Runtime.of(layout),
                              dtype=jnp.float32 if a.smoke else jnp.bfloat16, layout=layout)
   model_config = sampling_config(a)
-  step = sampling.step_fn(model, model_config, a.guidance, split=a.unrolled)  # compiled by the warm-up
+  step = sampling.step_fn(model, model_config, a.guidance)  # compiled by the warm-up
   run = lambda steps: jax.block_until_ready(sampling.denoise(
       model, model.params, None, model_config, conditioning, noise, (tokens,), steps, a.guidance,
       uncond=uncond, step=step))

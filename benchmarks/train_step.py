@@ -146,7 +146,7 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
   import importlib
   import jax
   import jax.numpy as jnp
-  from diffpipe_jax import family as family_lib, models, optim, sharding, update
+  from diffpipe_jax import family as family_lib, models, optim, runtime, sharding, update
 
   data, stages, seq = map(int, (layout_name.split("x") + ["1"])[:3])
   fam, shape = family_lib.get(a.model), SHAPES[a.model](a)
@@ -165,7 +165,8 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
   if layout.plan:
     print(layout.plan.describe(), file=sys.stderr)
   model = models.init_random(a.model, shape.cfg, jax.random.key(0), dtype=dtype, layout=layout,
-                             **MODES[mode])
+                             transformer_dtype=MODES[mode]["transformer_dtype"],
+                             runtime=runtime.Runtime.of(layout, MODES[mode]["remat"]))
   tx, _ = optim.make(config, 1000)
   state = layout.create(functools.partial(
       update.init_state, layer_params=models.abstract_params(fam, model.module, shape.cfg),

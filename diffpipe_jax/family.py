@@ -82,8 +82,7 @@ class Family:
   single_file: Optional[SingleFile]  # the original single-file layout, if the family has one
   checkpoint_path: Callable  # model_config -> the transformer's path (a folder or a file)
   model_keys: dict  # the family's own `model` keys -> their `rules.Key` (as `schema.SHARED`)
-  make_module: Callable  # (cfg, dtype=, param_dtype=, attention_impl=, remat=, unrolled=,
-  #                         kernels_in_place=) -> module
+  make_module: Callable  # (cfg, dtype=, param_dtype=, attention_impl=) -> module
   stacks: Callable  # cfg -> ((stack name, layers, relative cost of a layer), ...), in order
   stacked: tuple  # the stacks' names (parameter subtrees with a leading layer axis)
   # diffusion-pipe's pipeline layers that are no block, before each stack and after the last

@@ -185,7 +185,7 @@ class Evaluator:
 
   def __init__(self, run: Run, metrics):
     self.run, self.metrics = run, metrics
-    self.eval_fn = make_eval(run.model, run.config, run.layout) if run.evals else None
+    self.eval_fn = make_eval(run.model, run.config) if run.evals else None
 
   def due(self, at: Position) -> bool:
     c = self.run.config
@@ -216,8 +216,7 @@ class Sampler:
   def __init__(self, run: Run, metrics):
     self.run, self.metrics = run, metrics
     self.steps, self.guidance = sampling.defaults(run.family, run.config)
-    self.step = run.prompts and sampling.step_fn(run.model, run.config.model, self.guidance,
-                                                 run.layout.pipeline, split=run.layout.unrolled)
+    self.step = run.prompts and sampling.step_fn(run.model, run.config.model, self.guidance)
 
   def due(self, at: Position) -> bool:
     c = self.run.config

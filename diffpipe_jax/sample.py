@@ -18,8 +18,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from diffpipe_jax import (device_memory, family as family_lib, lora, media, models, sampling, sharding,
-                          tiny, validate)
+from diffpipe_jax import (device_memory, family as family_lib, lora, media, models, runtime, sampling,
+                          sharding, tiny, validate)
 from diffpipe_jax.cli import parse_flags
 from diffpipe_jax.errors import UserError
 
@@ -81,7 +81,8 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   layout = sharding.make_layout(sharding.make_mesh(1, jax.devices()[:1]), family.stacks(
       models.checkpoint_config(family.type, path)), 1, config.blocks_to_swap, unrolled=True)
   model = models.load(family.type, path, dtype=jnp.dtype(config.model.dtype),
-                      transformer_dtype=config.model.transformer_dtype, unrolled=True, layout=layout)
+                      transformer_dtype=config.model.transformer_dtype,
+                      runtime=runtime.Runtime.of(layout), layout=layout)
   plain = models.abstract_params(family, model.module, model.config)  # the layer layout's shapes
   adapters = [lora.scaled(lora.read(lora_path, plain, family), scale) for lora_path, scale in loras]
   adapter = lora.combine(adapters) if adapters else None
@@ -91,7 +92,7 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   with tqdm(total=steps * len(texts), desc="sampling", unit="step", dynamic_ncols=True) as bar:
     latents = sampling.draw(model, model.params, adapter and layout.to_stages(adapter), config.model,
                             prompts, steps, guidance, seed,
-                            step=sampling.step_fn(model, config.model, guidance, split=True),
+                            step=sampling.step_fn(model, config.model, guidance),
                             progress=lambda i: bar.update(1))
   written = sampling.write(encoders, latents, prompts, paths, encoders.frame_rate or 24)
   for path, _ in written:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from diffpipe_jax import lora, media, programs, sequence, stacks
+from diffpipe_jax import lora, media, programs, sequence
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.files import atomic_write, read_toml
 
@@ -68,16 +68,15 @@ class Steps:
   step: Callable
 
 
-def step_fn(model, model_config, guidance: float, pipeline=None, split=False,
-            jit_options=programs.JIT_OPTIONS) -> Steps:
+def step_fn(model, model_config, guidance: float, jit_options=programs.JIT_OPTIONS) -> Steps:
   """The Euler steps of the pipeline (`Steps`), each one program: the model's velocity at sigma
   with the adapter (None: the base model), with `guidance` embedded (`model.guidance`) or
   classifier-free (the batch holds the pipeline's [uncond, cond] rows; x the cond half's
-  latents), then x + (sigma_next - sigma) v in float32. In the training layout: through the
-  pipeline as one microbatch, or (`split`, unrolled layers only) as programs per block, which
-  also copy swapped layers' weights to the device; each program jitted with `jit_options`."""
+  latents), then x + (sigma_next - sigma) v in float32. Run as the model's runtime runs a
+  forward pass (`Runtime.single_microbatch`: through a pipeline as one microbatch, or over
+  unrolled layers as programs per block), each program jitted with `jit_options`."""
   family = model.family
-  run = stacks.run_stacks if pipeline is None else pipeline.single_microbatch().run
+  runtime = model.runtime.single_microbatch()
   cfg_mode = family.sampling.guidance_mode == "cfg"
   mc = copy.deepcopy(model_config)
   if not cfg_mode:
@@ -87,8 +86,8 @@ def step_fn(model, model_config, guidance: float, pipeline=None, split=False,
     latents = jnp.concatenate([x, x]) if cfg_mode else x
     t = jnp.full((latents.shape[0],), sigma, jnp.float32)
     variables = {"params": params} if adapter is None else {"params": params, "lora": adapter}
-    v = model.module.apply(variables, **family.training_inputs(mc, model.config, batch, latents, t),
-                           run_stacks=run).astype(jnp.float32)
+    v = runtime.apply(model.module, variables,
+                      **family.training_inputs(mc, model.config, batch, latents, t)).astype(jnp.float32)
     if cfg_mode:
       uncond, cond = jnp.split(v, 2)
       v = uncond + guidance * (cond - uncond)
@@ -96,8 +95,7 @@ def step_fn(model, model_config, guidance: float, pipeline=None, split=False,
   # A modulation reads its whole kernel for one row a step: computed ahead, it reads it once for
   # all the steps (BENCHMARKS.md#kernels: a modulation of 28 rows takes the time of one).
   loop = programs.ahead_of_calls(step, carried=3, varying=(4, 5), jit_options=jit_options)
-  return Steps(loop.values, programs.split(loop.call, jit_options) if split
-               else jax.jit(loop.call, **jit_options))
+  return Steps(loop.values, runtime.compile(loop.call, jit_options))
 
 
 def denoise(model, params, adapter, model_config, conditioning: dict, noise, grid, steps: int,

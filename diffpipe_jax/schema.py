@@ -14,7 +14,7 @@ import os
 import ml_collections
 from ml_collections import config_dict
 
-from diffpipe_jax import family as family_lib, flow, media, optim, stacks
+from diffpipe_jax import family as family_lib, flow, media, optim, runtime
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.rules import (FLAG, PROBABILITY, TEXT, DiffusionPipe, Key, Rule, choice, integer,
                                 number, numbers)
@@ -91,7 +91,7 @@ SHARED = {
     "checkpoint_every_n_epochs": Key(0, integer(0), "a checkpoint every this many epochs (0: off)"),
     "checkpoints_to_keep": Key(3, integer(1), "the newest checkpoints kept; older ones deleted"),
     "activation_checkpointing": Key(
-        "block", choice(*stacks.REMAT_POLICIES),
+        "block", choice(*runtime.REMAT_POLICIES),
         '"none": fastest, most memory; "block": remat each block; "block_save_dots": keep each '
         'block\'s matmul outputs; "block_offload": "block" with each block\'s input kept in host '
         "memory until the backward pass (less memory, slower)",
@@ -101,7 +101,7 @@ SHARED = {
                    lambda v: v is None or isinstance(v, bool)),
         'True (one stage; any activation_checkpointing but "block_offload"): the blocks unrolled '
         "and the step run as programs per block; False: scanned, one program. None: the faster "
-        "of the two for the run (stacks.unrolled_or_default): unrolled without remat or with "
+        "of the two for the run (runtime.unrolled_or_default): unrolled without remat or with "
         "blocks_to_swap, scanned otherwise", field_type=bool),
     "compilation_cache_dir": Key(
         "~/.cache/diffpipe-jax/xla", TEXT,

@@ -1,4 +1,4 @@
-"""The block-stack runtime: how a model's stacks of identical blocks run and where their weights live.
+"""Block stacks: how a model's stacks of identical blocks can run and where their weights live.
 
 A model family builds `Stack`s (a block, its stacked parameters and LoRA) and hands them to a
 `run_stacks`-like function: `run_stacks` here runs them one after the other on one device, each
@@ -11,7 +11,7 @@ in one of three modes, and `sharding.pipeline` runs them pipelined over a mesh (
   compute, forward and backward;
 - `run_chunk`: a pipeline stage's chunk of layers, with padding layers passed through.
 
-`REMAT_POLICIES` names the per-block rematerialisation policies (`activation_checkpointing`).
+Which of them runs, and under which rematerialisation policy, is the runtime's choice (`runtime`).
 Nothing here knows a model family.
 """
 import dataclasses
@@ -26,65 +26,11 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from diffpipe_jax import programs, sequence
-from diffpipe_jax.errors import UserError
 
 LAYER_WEIGHTS = "layer_weights"  # the checkpoint name of one layer's slice of the stacked weights
 BLOCK_INPUT = "block_input"  # the checkpoint name of each block's input (what per-block remat keeps)
 
-REMAT_POLICIES = {
-    "none": None, "block": jax.checkpoint_policies.nothing_saveable,
-    # keep the matmul outputs, recompute the cheap elementwise work between them
-    "block_save_dots": programs.keeps_for_backward,
-    # as "block", but each block's input waits for the backward pass in host memory
-    "block_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=(BLOCK_INPUT,),
-        offload_src="device", offload_dst="pinned_host")}
 SWAP_NEEDS_ONE_STAGE = "blocks_to_swap needs pipeline_stages=1 (a pipeline already divides the weights)"
-
-
-def unrolled_or_default(unrolled: Optional[bool], remat: str, pipelined: bool, swapped: bool) -> bool:
-  """`unrolled` as set, or where it is None the faster mode of the run
-  (BENCHMARKS.md#scanned-or-unrolled): unrolled on one stage without remat (the scan would stack
-  every block's residuals) or with swapped blocks (their copies hidden per layer); otherwise
-  scanned, which a pipeline and "block_offload" need, and which with per-block remat is as fast
-  or faster (its one program is GPU-bound, where the unrolled step's per-block programs wait on
-  the host)."""
-  if unrolled is not None:
-    return unrolled
-  return not pipelined and remat != "block_offload" and (remat == "none" or swapped)
-
-
-def unrolled_for(config) -> bool:
-  """Whether a run's blocks are unrolled (`unrolled_or_default` of its config), checked against
-  its other settings (`remat_policy`: a UserError where they conflict)."""
-  pipelined, swapped = config.pipeline_stages > 1, config.blocks_to_swap > 0
-  remat = config.activation_checkpointing
-  unrolled = unrolled_or_default(config.unrolled, remat, pipelined, swapped)
-  remat_policy(remat, unrolled, pipelined, swapped)
-  return unrolled
-
-
-def kernels_in_place(remat: str, unrolled: bool) -> bool:
-  """Whether the Linears are written so that their matmuls read the scanned layers' kernels in
-  place (`layers.Linear`): in the scanned step that keeps none of a block's matmul outputs,
-  "block" (measured: BENCHMARKS.md#flux-step-remat; the trials: benchmarks/HISTORY.md, "The bias
-  beside the LoRA, the modulations ahead" and "Every kernel read in place";
-  "block_offload" keeps none either, but has not been measured)."""
-  return remat == "block" and not unrolled
-
-
-def remat_policy(remat: str, unrolled: bool = False, pipelined: bool = False, swapped: bool = False):
-  """The jax.checkpoint policy of `activation_checkpointing=remat`, checked against the other
-  settings that decide how the blocks run."""
-  if remat not in REMAT_POLICIES:
-    raise UserError(f"activation_checkpointing={remat!r}; use one of {sorted(REMAT_POLICIES)}")
-  if unrolled and (remat == "block_offload" or pipelined):
-    raise UserError(f"unrolled=True unrolls the blocks of one-stage runs that keep block "
-                    f"inputs on the device (activation_checkpointing={remat!r}, pipelined: "
-                    f"{pipelined}); set unrolled=False")
-  if pipelined and swapped:
-    raise UserError(SWAP_NEEDS_ONE_STAGE)
-  return REMAT_POLICIES[remat]
 
 
 @dataclasses.dataclass(frozen=True)

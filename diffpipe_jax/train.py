@@ -13,7 +13,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from diffpipe_jax import (axes, checkpoint, data, device_memory, errors, lora, loop, media, models,
-                          optim, sampling, sequence, sharding, stacks, tiny, validate)
+                          optim, runtime, sampling, sequence, sharding, tiny, validate)
 from diffpipe_jax import family as family_lib, metrics as metrics_lib
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.update import init_state, make_step
@@ -244,8 +244,8 @@ def prepare(config, on_exit: contextlib.ExitStack, resume=None, cache_only=False
 
   # ---------------------------------------------------------------- model (frozen), on the mesh
   block_stacks = family.stacks(models.checkpoint_config(family.type, path))
-  unrolled = stacks.unrolled_for(config)
-  layout = sharding.make_layout(mesh, block_stacks, accum, config.blocks_to_swap, unrolled,
+  layout = sharding.make_layout(mesh, block_stacks, accum, config.blocks_to_swap,
+                                runtime.unrolled_for(config),
                                 partition_split=config.partition_split,
                                 layers_around_stacks=family.layers_around_stacks)
   if layout.plan is not None:
@@ -257,7 +257,7 @@ def prepare(config, on_exit: contextlib.ExitStack, resume=None, cache_only=False
         f"{n} of the {name}, spread evenly" for name, n in layout.swap))
   model = models.load(family.type, path, dtype=jnp.dtype(config.model.dtype),
                       transformer_dtype=config.model.transformer_dtype,
-                      remat=config.activation_checkpointing, unrolled=unrolled, layout=layout)
+                      runtime=runtime.Runtime.of(layout, config.activation_checkpointing), layout=layout)
 
   # ---------------------------------------------------------------- adapter and optimizer
   # The state is created, checkpointed and exported in the plain layer layout, and trained in

@@ -47,49 +47,51 @@ def _flow_loss(config):
                                                                     config.smooth_l1_beta))
 
 
-def _predict(adapter, params, inputs, dropout_key, *, model, config, train, run_stacks):
+def _predict(adapter, params, inputs, dropout_key, *, model, config, train, runtime):
   module = model.module.clone(lora_dropout=config.adapter.dropout if train else 0.0)
-  return module.apply({"params": params, "lora": adapter}, **inputs, run_stacks=run_stacks,
-                      rngs={"dropout": dropout_key})
+  return runtime.apply(module, {"params": params, "lora": adapter}, **inputs,
+                       rngs={"dropout": dropout_key})
 
 
-def loss_fn(adapter, params, batch, key, *, model, config, quantile=None,
-            run_stacks=stacks.run_stacks):
-  """Flow-matching loss of one micro-batch; differentiated with respect to `adapter` only."""
+def loss_fn(adapter, params, batch, key, *, model, config, quantile=None):
+  """Flow-matching loss of one micro-batch (through a pipeline as a single microbatch);
+  differentiated with respect to `adapter` only."""
   inputs, target, mask, k_dropout = model_inputs(batch, key, model=model, config=config,
                                                  quantile=quantile)
   pred = _predict(adapter, params, inputs, k_dropout, model=model, config=config,
-                  train=quantile is None, run_stacks=run_stacks)
+                  train=quantile is None, runtime=model.runtime.single_microbatch())
   return _flow_loss(config)(pred, target, mask)
 
 
-def pipelined_loss(adapter, params, batches, keys, *, model, config, pipeline):
+def pipelined_loss(adapter, params, batches, keys, *, model, config):
   """The mean of `loss_fn` over a [microbatches, micro batch, ...] stack (same samples, same
-  noise), computed in one pass through `pipeline` with the microbatches in flight together."""
+  noise), computed in one pass through the runtime's pipeline with the microbatches in flight
+  together."""
   inputs, targets, masks, k_dropout = jax.vmap(functools.partial(
       model_inputs, model=model, config=config))(batches, keys)
   merge = lambda x: x.reshape(-1, *x.shape[2:])  # [M, micro, ...] -> [M * micro, ...]
   inputs = {k: None if v is None else v[0] if k in model.family.shared_inputs else merge(v)
             for k, v in inputs.items()}
   pred = _predict(adapter, params, inputs, k_dropout[0], model=model, config=config, train=True,
-                  run_stacks=pipeline.run)
+                  runtime=model.runtime)
   pred = pred.reshape(targets.shape[:2] + pred.shape[1:])
   return jax.vmap(_flow_loss(config))(pred, targets, *([masks] if masks is not None else [])).mean()
 
 
-def grad_fn(model, config, pipeline=None, unrolled=False, jit_options=programs.JIT_OPTIONS):
-  """(adapter, params, batches [A, micro batch, ...], keys [A]) -> (mean loss, mean gradient).
-  Without a pipeline the micro-batches run one after another (the memory of one micro-batch):
-  in a scan; or, `unrolled`, for a caller that must not jit it, in a Python loop, each loss and
-  gradient run as programs split at the block calls (`programs`), jitted with `jit_options`."""
-  if pipeline is not None:
-    return jax.value_and_grad(functools.partial(pipelined_loss, model=model, config=config,
-                                                pipeline=pipeline))
+def grad_fn(model, config, jit_options=programs.JIT_OPTIONS):
+  """(adapter, params, batches [A, micro batch, ...], keys [A]) -> (mean loss, mean gradient),
+  as the model's runtime differentiates. Without a pipeline the micro-batches run one after
+  another (the memory of one micro-batch): in a scan; or, the layers unrolled, for a caller that
+  must not jit it, in a Python loop, each loss and gradient run as programs split at the block
+  calls (`programs`), jitted with `jit_options`."""
+  runtime = model.runtime
+  if runtime.pipeline is not None:
+    return runtime.value_and_grad(functools.partial(pipelined_loss, model=model, config=config))
   loss = functools.partial(loss_fn, model=model, config=config)
   add = lambda total, result: jax.tree.map(jnp.add, total, result)
-  if unrolled:
+  if runtime.unrolled:
     # each micro-batch's loss divided by their number inside its programs: the sum is the mean
-    loss_and_grad = programs.value_and_grad(lambda adapter, params, batch, key, n: loss(
+    loss_and_grad = runtime.value_and_grad(lambda adapter, params, batch, key, n: loss(
         adapter, params, batch, key) / n, jit_options)
     # summed in float32, whatever the dtype the adapter (so its gradient) comes in
     add = jax.jit(lambda total, result: jax.tree.map(
@@ -104,7 +106,7 @@ def grad_fn(model, config, pipeline=None, unrolled=False, jit_options=programs.J
       return total
     return accumulate
 
-  loss = jax.value_and_grad(loss)
+  loss = runtime.value_and_grad(loss)
   mean = lambda total, n: jax.tree.map(lambda t: t / n, total)
 
   def accumulate(adapter, params, batches, keys):
@@ -145,13 +147,13 @@ def train_step(state, params, batches, key, *, grads, update):
 
 
 def make_step(model, config, tx, layout):
-  """`train_step` (state, params, batches, key) -> (state, metrics) for the model's layout: one
-  jitted program; or, with the layers unrolled (`layout.unrolled`), the loss and its gradient as
-  a sequence of programs (`programs`: each stack's block forward and backward programs compile
+  """`train_step` (state, params, batches, key) -> (state, metrics) for the model's runtime and
+  its layout: one jitted program; or, with the layers unrolled, the loss and its gradient as a
+  sequence of programs (`programs`: each stack's block forward and backward programs compile
   once for all its layers), then one jitted update. One program of every unrolled layer would
   take minutes to compile at full size."""
-  grads = grad_fn(model, config, layout.pipeline, unrolled=layout.unrolled)
-  if not layout.unrolled:
+  grads = grad_fn(model, config)
+  if not model.runtime.unrolled:
     def step_in_layout(state, *args):
       # The state leaves as it came, in the layout's shardings: left to XLA, sequence
       # parallelism shards the new LoRA's q/k/v outputs over 'seq', and the second step compiles again.
@@ -160,7 +162,7 @@ def make_step(model, config, tx, layout):
     # Where the Linears are written to read the scanned layers' kernels in place, their matmuls
     # do: unless the dot merger joins (so copies) q's, k's and v's.
     return jax.jit(step_in_layout, donate_argnums=(0,),
-                   compiler_options=programs.WITHOUT_DOT_MERGER if model.module.kernels_in_place else None)
+                   compiler_options=programs.WITHOUT_DOT_MERGER if model.runtime.kernels_in_place else None)
   compute_dtype = model.module.dtype
 
   def apply_gradients_stacked(state, loss, g):
@@ -206,16 +208,12 @@ def compile_in(context, fn, *specs):
     return fn.lower(*specs).compile()
 
 
-def make_eval(model, config, layout):
-  """`eval_losses` (adapter, params, batch, key) for the model's layout: jitted, or split at its
-  block calls as `make_step` runs its step (`layout.unrolled`)."""
-  evaluate = functools.partial(eval_losses, model=model, config=config, pipeline=layout.pipeline)
-  return programs.split(evaluate) if layout.unrolled else jax.jit(evaluate)
+def make_eval(model, config):
+  """`eval_losses` (adapter, params, batch, key), compiled as the model's runtime compiles."""
+  return model.runtime.compile(functools.partial(eval_losses, model=model, config=config))
 
 
-def eval_losses(adapter, params, batch, key, *, model, config, pipeline=None):
-  """Losses at the fixed timestep quantiles, with noise fixed by `key` (a [Q] array); through
-  the pipeline as a single microbatch when there is one."""
-  run = stacks.run_stacks if pipeline is None else pipeline.single_microbatch().run
-  return jnp.stack([loss_fn(adapter, params, batch, key, model=model, config=config, quantile=q,
-                            run_stacks=run) for q in EVAL_QUANTILES])
+def eval_losses(adapter, params, batch, key, *, model, config):
+  """Losses at the fixed timestep quantiles, with noise fixed by `key` (a [Q] array)."""
+  return jnp.stack([loss_fn(adapter, params, batch, key, model=model, config=config, quantile=q)
+                    for q in EVAL_QUANTILES])

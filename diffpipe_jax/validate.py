@@ -8,7 +8,7 @@ allowed; all of them are reported together.
 import fnmatch
 import os
 
-from diffpipe_jax import data, schema, stacks, tiny
+from diffpipe_jax import data, runtime, schema, tiny
 from diffpipe_jax.errors import UserError
 
 
@@ -44,7 +44,7 @@ def value_problems(values: dict, keys: dict) -> list:
 def combination_problems(config) -> list:
   problems = []
   try:
-    stacks.unrolled_for(config)
+    runtime.unrolled_for(config)
   except UserError as e:
     problems.append(str(e))
   if config.model.min_t >= config.model.max_t:

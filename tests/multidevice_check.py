@@ -21,7 +21,8 @@ import numpy as np  # noqa: E402
 
 from conftest import family_config  # noqa: E402
 from tolerances import assert_close  # noqa: E402
-from diffpipe_jax import family as family_lib, lora, models, optim, sampling, sequence, sharding, update  # noqa: E402
+from diffpipe_jax import (family as family_lib, lora, models, optim, runtime, sampling,  # noqa: E402
+                          sequence, sharding, update)
 
 
 def parse_layouts(text):
@@ -60,14 +61,14 @@ def run_on(mesh, fam, path, config, stages, unrolled, partition_split, steps, ac
   layout = sharding.make_layout(mesh, fam.stacks(models.checkpoint_config(fam.type, path)), accum,
                                 unrolled=unrolled, partition_split=partition_split,
                                 layers_around_stacks=fam.layers_around_stacks)
-  model = models.load(fam.type, path, layout=layout, unrolled=unrolled, progress=False)
+  model = models.load(fam.type, path, runtime=runtime.Runtime.of(layout), layout=layout, progress=False)
   tx, _ = optim.make(config, steps)
   layer_params = models.abstract_params(fam, model.module, model.config)
   adapter = lora.init(layer_params, fam.lora_targets, 4, jnp.float32, jax.random.key(0))
   adapter = jax.tree.map(lambda x: x + 0.05, adapter)  # non-zero B: gradients reach A too
   state = layout.create(functools.partial(update.init_state, layer_params=layer_params,
                                           config=config, tx=tx, family=fam), None, adapter)
-  grads = update.grad_fn(model, config, layout.pipeline, unrolled=layout.unrolled)
+  grads = update.grad_fn(model, config)
   step = update.make_step(model, config, tx, layout)  # unrolled: split into programs per block
   keys = jax.random.split(jax.random.key(99), accum)
   args = (state["lora"], model.params, batches_for(fam, model.config, 0, mesh), keys)
@@ -98,7 +99,7 @@ def sampled(fam, model, config, layout, adapter, steps=3):
   compiles = []
   latents = sampling.denoise(
       model, model.params, layout.create(lambda a: a, adapter), config.model, batch, noise, (16,), steps,
-      4.0, uncond, sampling.step_fn(model, config.model, 4.0, layout.pipeline, split=layout.unrolled),
+      4.0, uncond, sampling.step_fn(model, config.model, 4.0),
       functools.partial(sharding.whole_rows, layout.mesh), lambda i: compiles.append(len(COMPILES)))
   assert compiles[0] == compiles[-1], COMPILES[compiles[0]:]
   return np.asarray(latents)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tolerances import assert_close, rel_err
-from diffpipe_jax import programs
+from diffpipe_jax import programs, runtime
 from diffpipe_jax.models import layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,15 +55,16 @@ def test_a_lora_linear_keeps_its_output_once_for_the_backward_pass(capsys):
 
 
 def test_a_lora_linear_adds_its_bias_to_the_lora_output_where_told():
-  """With `kernels_in_place` (per-block remat) the base matmul's output meets the bias only in
+  """With `kernels_in_place` (scanned per-block remat) the base matmul's output meets the bias only in
   the LoRA's output, its one addend, and the sum is fenced off; the result is the same."""
   x, outs = jax.random.normal(jax.random.key(0), (2, 5, 16)), {}
   for with_lora in (False, True):
-    linear = layers.Linear(24, kernels_in_place=with_lora)
+    linear = layers.Linear(24)
+    apply = runtime.Runtime("block").traced(linear.apply) if with_lora else linear.apply
     variables = {"params": dict(linear.init(jax.random.key(1), x)["params"], bias=jnp.arange(24.)),
                  "lora": {"lora_A": jnp.ones((16, 3)), "lora_B": jnp.ones((3, 24))}}
-    outs[with_lora] = linear.apply(variables, x)
-    eqns = jax.make_jaxpr(lambda x: linear.apply(variables, x))(x).jaxpr.eqns
+    outs[with_lora] = apply(variables, x)
+    eqns = jax.make_jaxpr(lambda x: apply(variables, x))(x).jaxpr.eqns
     made_by = {v: e for e in eqns for v in e.outvars}
     base = next(e for e in eqns if e.primitive.name == "dot_general").outvars[0]
     (use,) = [e for e in eqns if base in e.invars]
@@ -122,12 +123,12 @@ def test_a_linear_of_parts_is_the_linear_of_their_concatenation_without_it():
   jaxpr = str(jax.make_jaxpr(lambda ps: linear.apply(variables, ps))(parts))
   assert "concatenate" not in jaxpr and jaxpr.count("dot_general") == 5
   assert "optimization_barrier" in jaxpr
-  in_place = layers.Linear(13, kernels_in_place=True)
+  in_place = runtime.Runtime("block").traced(linear.apply)
   # 2x2 tokens < 13 features <= 2x10 tokens
   for few, concatenated in (([p[:, :2] for p in parts], True),
                             ([jnp.concatenate([p, p], 1) for p in parts], False)):
-    assert_close(in_place.apply(variables, few), linear.apply(variables, few))
-    jaxpr = str(jax.make_jaxpr(lambda ps: in_place.apply(variables, ps))(few))
+    assert_close(in_place(variables, few), linear.apply(variables, few))
+    jaxpr = str(jax.make_jaxpr(lambda ps: in_place(variables, ps))(few))
     assert ("concatenate" in jaxpr) == concatenated, few[0].shape
 
 

@@ -13,7 +13,7 @@ import torch
 
 from conftest import FAMILIES, diffusers_hidden_size, family_config, jaxpr_equations, load_encoders
 from tolerances import LORA_PARITY, assert_close, rel_err
-from diffpipe_jax import family as family_lib, lora, models, programs, sample, sampling, sharding
+from diffpipe_jax import family as family_lib, lora, models, programs, runtime, sample, sampling, sharding
 
 # a size of a few latent tokens per family: (frames, height, width) in pixels
 SIZES = {"flux": (1, 32, 48), "ltx-video": (9, 64, 96), "hunyuan-video": (5, 32, 48)}
@@ -148,12 +148,14 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
 
   layout = sharding.make_layout(sharding.make_mesh(1, jax.devices()[:1]), fam.stacks(cfg), 1,
                                 unrolled=True)
-  unrolled = models.load(name, path, unrolled=True, layout=layout, progress=False)
-  split = sampling.step_fn(unrolled, model_config, 4.0, split=True)
+  unrolled = models.load(name, path, runtime=runtime.Runtime.of(layout), layout=layout, progress=False)
+  split = sampling.step_fn(unrolled, model_config, 4.0)
   assert_close(draw(unrolled, sampling.Steps(record(split.ahead), record(split.step))), latents)
   # ... whose layers still share their stack's program
-  blocks = [e.params["jaxpr"] for e in jaxpr_equations(
-      sampling.step_fn(unrolled, model_config, 4.0).step.trace(*calls[-1]).jaxpr) if programs.block_call(e)]
+  forward = lambda p: unrolled.runtime.apply(unrolled.module, {"params": p}, **fam.training_inputs(
+      model_config, cfg, rows, latents_of_rows, jnp.ones(len(latents_of_rows))))
+  blocks = [e.params["jaxpr"] for e in jaxpr_equations(jax.make_jaxpr(forward)(unrolled.params).jaxpr)
+            if programs.block_call(e)]
   assert len(blocks) == sum(n for _, n, _ in fam.stacks(cfg))
   assert len(set(map(id, blocks))) == len(fam.stacks(cfg))
 

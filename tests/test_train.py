@@ -28,8 +28,8 @@ from safetensors.numpy import load_file
 from conftest import (FAMILIES, MACHINERY_FAMILY, diffusers_modules, family_config, load_lora_in_diffusers,
                       xla_flags)
 from tolerances import LORA_PARITY, assert_close, rel_err
-from diffpipe_jax import (checkpoint, data, family as family_lib, lora, loop, models, optim, sharding,
-                          stacks, train, update)
+from diffpipe_jax import (checkpoint, data, family as family_lib, lora, loop, models, optim, runtime,
+                          sharding, stacks, train, update)
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.convert import table
 from diffpipe_jax.stacks import host_layers, is_layer_arrays, swapped_stacks
@@ -506,16 +506,21 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(loaded):
                     if a.ndim >= 3}  # the kernels and LoRA matrices
   config = tiny_config(fam.type)
   results, temp_bytes = {}, {}
-  for remat, scanned in [(r, True) for r in stacks.REMAT_POLICIES] + [("none", False)]:
+  for remat, scanned in [(r, True) for r in runtime.REMAT_POLICIES] + [("none", False)]:
     if scanned:
-      run = dataclasses.replace(model, module=model.module.clone(remat=stacks.REMAT_POLICIES[remat]))
+      run = dataclasses.replace(model, runtime=runtime.Runtime(remat))
       args = (adapter, model.params, *inputs)
+      grads = update.grad_fn(run, config)
     else:
-      run = models.load(fam.type, path, unrolled=True, layout=unrolled, progress=False)
+      run = models.load(fam.type, path, runtime=runtime.Runtime.of(unrolled), layout=unrolled,
+                        progress=False)
       args = (unrolled.to_stages(adapter), run.params, *inputs)
-      loss, g = update.grad_fn(run, config, unrolled=True)(*args)
+      loss, g = update.grad_fn(run, config)(*args)
       results["split", False] = loss, unrolled.to_layers(g)
-    grads = update.grad_fn(run, config)
+      # the unrolled layers jitted whole, one program of every layer
+      loss_and_grad = jax.value_and_grad(functools.partial(update.loss_fn, model=run, config=config))
+      grads = lambda adapter, params, batches, keys: loss_and_grad(
+          adapter, params, jax.tree.map(lambda x: x[0], batches), keys[0])
     compiled = jax.jit(grads).lower(*args).compile()
     loss, g = compiled(*args)
     results[remat, scanned] = loss, unrolled.to_layers(g)
@@ -533,7 +538,7 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(loaded):
     assert_close(value, loss, what=f"{key}: loss")
     assert_close(got, want, what=f"{key}: gradients")
   with pytest.raises(ValueError, match="set unrolled=False"):
-    models.load(fam.type, path, remat="block_offload", unrolled=True, progress=False)
+    runtime.Runtime("block_offload", unrolled=True)
 
 
 def test_the_unrolled_step_reads_the_lora_in_the_compute_dtype(tiny_models, name=MACHINERY_FAMILY):
@@ -543,7 +548,8 @@ def test_the_unrolled_step_reads_the_lora_in_the_compute_dtype(tiny_models, name
   fam, path = family_lib.get(name), tiny_models(name)["layouts"]["diffusers"]
   layout = sharding.make_layout(sharding.make_mesh(1), fam.stacks(models.checkpoint_config(
       fam.type, path)), 1, unrolled=True)
-  model = models.load(fam.type, path, dtype=jnp.bfloat16, unrolled=True, layout=layout, progress=False)
+  model = models.load(fam.type, path, dtype=jnp.bfloat16, runtime=runtime.Runtime.of(layout),
+                      layout=layout, progress=False)
   config = tiny_config(fam.type)
   tx, _ = optim.make(config, 10)
   layer_params = models.abstract_params(fam, model.module, model.config)
@@ -553,7 +559,7 @@ def test_the_unrolled_step_reads_the_lora_in_the_compute_dtype(tiny_models, name
                                           config=config, tx=tx, family=fam), None, adapter)
   batches = [jax.tree.map(lambda x: x[None], fam.random_batch(model.config, 2, seed=s)) for s in (0, 1)]
   keys = [jax.random.split(jax.random.key(s), 1) for s in (0, 1)]
-  grads = update.grad_fn(model, config, unrolled=True)
+  grads = update.grad_fn(model, config)
   loss, want = grads(state["lora"], model.params, batches[0], keys[0])
   loss_bf16, got = grads(lora.in_dtype(state["lora"], jnp.bfloat16), model.params, batches[0], keys[0])
   assert float(loss_bf16) == float(loss)
@@ -590,7 +596,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
   for remat, swap, scanned in (("block", 0, True), ("none", 2, True), ("block", most, True),
                                ("block", most, False), ("none", 2, False)):
     layout = sharding.make_layout(mesh, block_stacks, 1, swap, unrolled=not scanned)
-    model = models.load(fam.type, path, remat=remat, layout=layout, unrolled=not scanned,
+    model = models.load(fam.type, path, runtime=runtime.Runtime.of(layout, remat), layout=layout,
                         progress=False)
     assert layout.swap == sharding.swapped_layers(block_stacks, swap)
     if not results:
@@ -603,7 +609,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
     if swap == most:  # disable_block_swap_for_eval: the evals on a device copy, the same losses
       on_device = loop.eval_weights(model.params, dict(disable_block_swap_for_eval=True), layout)
       assert all(a.sharding.memory_kind == "device" for a in jax.tree.leaves(on_device))
-      evaluate = update.make_eval(model, config, layout)
+      evaluate = update.make_eval(model, config)
       assert_close(evaluate(args[0], on_device, batch, jax.random.key(2)),
                    evaluate(args[0], model.params, batch, jax.random.key(2)), what="eval loss")
     if not scanned:
@@ -612,7 +618,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
         want = [i in stacks.swap_positions(lengths[name], n) for i in range(lengths[name])]
         for leaf in jax.tree.leaves(model.params[name], is_leaf=is_layer_arrays):
           assert [a.sharding.memory_kind == "pinned_host" for a in leaf.arrays] == want, (name, n)
-      loss, g = update.grad_fn(model, config, unrolled=True)(*args)
+      loss, g = update.grad_fn(model, config)(*args)
       results[remat, swap, scanned] = loss, layout.to_layers(g)
       continue
     swapped = swapped_stacks(model.params)
@@ -639,9 +645,9 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
   # created in place (random init): the same weights, split the same way; the forward pass
   # of unrolled layers runs as programs per block
   plain, split, unrolled = (models.init_random(
-      fam.type, cfg, jax.random.key(3), unrolled=unrolled,
-      layout=sharding.make_layout(mesh, block_stacks, 1, swap, unrolled))
-      for swap, unrolled in ((0, False), (most, False), (most, True)))
+      fam.type, cfg, jax.random.key(3), runtime=runtime.Runtime.of(layout), layout=layout)
+      for layout in (sharding.make_layout(mesh, block_stacks, 1, swap, unrolled)
+                     for swap, unrolled in ((0, False), (most, False), (most, True))))
   for name, n in sharding.swapped_layers(block_stacks, most):
     assert len(split.params[name].pinned_host) == n
   inputs = fam.random_inputs(cfg, batch=1, seed=6)
@@ -650,7 +656,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
   with pytest.raises(ValueError, match=f"the model has {most + 1} blocks"):
     sharding.make_layout(mesh, block_stacks, 1, most + 2)
   with pytest.raises(ValueError, match="blocks_to_swap needs pipeline_stages=1"):
-    stacks.remat_policy("block", pipelined=True, swapped=True)
+    runtime.remat_policy("block", pipelined=True, swapped=True)
 
 
 def test_two_processes_train_as_one_process_with_two_devices(tmp_path, name=MACHINERY_FAMILY):

@@ -149,23 +149,23 @@ def test_unrolled_by_default_where_it_is_faster():
   """`unrolled` unset (the released configs): the blocks unrolled on one stage without remat or
   with swapped blocks, scanned with per-block remat and for a pipeline and "block_offload";
   set, as set (refused where it cannot be)."""
-  from diffpipe_jax import stacks
+  from diffpipe_jax import runtime
   assert family_config("flux", "").unrolled is None
-  assert stacks.unrolled_or_default(None, "none", pipelined=False, swapped=False)
-  assert stacks.unrolled_or_default(None, "block", pipelined=False, swapped=True)
-  assert not stacks.unrolled_or_default(None, "block", pipelined=False, swapped=False)
-  assert not stacks.unrolled_or_default(None, "block_save_dots", pipelined=False, swapped=False)
-  assert not stacks.unrolled_or_default(None, "none", pipelined=True, swapped=False)
-  assert not stacks.unrolled_or_default(None, "block_offload", pipelined=False, swapped=True)
-  assert stacks.unrolled_or_default(True, "block", pipelined=False, swapped=False)
-  assert not stacks.unrolled_or_default(False, "none", pipelined=False, swapped=False)
+  assert runtime.unrolled_or_default(None, "none", pipelined=False, swapped=False)
+  assert runtime.unrolled_or_default(None, "block", pipelined=False, swapped=True)
+  assert not runtime.unrolled_or_default(None, "block", pipelined=False, swapped=False)
+  assert not runtime.unrolled_or_default(None, "block_save_dots", pipelined=False, swapped=False)
+  assert not runtime.unrolled_or_default(None, "none", pipelined=True, swapped=False)
+  assert not runtime.unrolled_or_default(None, "block_offload", pipelined=False, swapped=True)
+  assert runtime.unrolled_or_default(True, "block", pipelined=False, swapped=False)
+  assert not runtime.unrolled_or_default(False, "none", pipelined=False, swapped=False)
   for overrides, unrolled in ((dict(pipeline_stages=2), False), (dict(blocks_to_swap=2), True),
                               (dict(activation_checkpointing="block_offload"), False),
                               (dict(activation_checkpointing="none"), True)):
     config = family_config("flux", "")
     config.update_from_flattened_dict({"dataset.path": "images", **overrides})
-    assert stacks.unrolled_for(config) == unrolled  # what a run of this config does
+    assert runtime.unrolled_for(config) == unrolled  # what a run of this config does
     assert validate.combination_problems(config) == []
   config.update_from_flattened_dict({"unrolled": True, "pipeline_stages": 2})
   with pytest.raises(UserError, match="set unrolled=False"):
-    stacks.unrolled_for(config)
+    runtime.unrolled_for(config)

@@ -8,26 +8,29 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from diffpipe_jax import convert, programs, stacks
+from diffpipe_jax import convert
 from diffpipe_jax import family as family_lib
 from diffpipe_jax.convert import table
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import Family
 from diffpipe_jax.models import layers
+from diffpipe_jax.runtime import Runtime
 
 
 @dataclasses.dataclass
 class Model:
-  """A loaded model: call it with the diffusers forward's named inputs (numpy or jax arrays)."""
+  """A loaded model: call it with the diffusers forward's named inputs (numpy or jax arrays).
+  `runtime` runs it (in training, evals, samples and calls alike)."""
   family: Family
   config: Any
   module: Any
   params: Any
+  runtime: Runtime = Runtime()
 
   def __post_init__(self):
-    apply = lambda variables, inputs: self.module.apply(variables, **inputs)
-    # unrolled layers run as programs per block, which also copy swapped layers' weights
-    self._apply = (programs.split if self.module.unrolled else jax.jit)(apply)
+    forward = self.runtime.single_microbatch()
+    apply = lambda variables, inputs: forward.apply(self.module, variables, **inputs)
+    self._apply = forward.compile(apply)
 
   def __call__(self, **inputs) -> jax.Array:
     inputs = {k: None if v is None else jnp.asarray(v) for k, v in inputs.items()}
@@ -69,13 +72,12 @@ def is_float8_kernel(fam: Family, path) -> bool:
   return path[-1] == "kernel" and table.matches(".".join(path[:-1]), fam.float8_targets)
 
 
-def make_module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled):
+def make_module(fam, config, dtype, param_dtype, attention_impl):
   """The family's module for `load`'s settings (which see)."""
   if attention_impl == "auto":
     attention_impl = layers.default_attention_implementation(dtype)
   return fam.make_module(config, dtype=dtype, param_dtype=param_dtype or dtype,
-                         attention_impl=attention_impl, remat=stacks.remat_policy(remat, unrolled),
-                         unrolled=unrolled, kernels_in_place=stacks.kernels_in_place(remat, unrolled))
+                         attention_impl=attention_impl)
 
 
 def checkpoint_config(model_type: str, path: str, axes_dims_rope=None):
@@ -96,7 +98,7 @@ def _placement(fam, transformer_dtype, layout):
 
 
 def load(model_type: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
-         attention_impl: Optional[str] = "auto", remat="none", unrolled=False, axes_dims_rope=None,
+         attention_impl: Optional[str] = "auto", runtime: Runtime = Runtime(), axes_dims_rope=None,
          layout=None, progress=True) -> Model:
   """Loads a model of `model_type` (one of `family.names()`) from a diffusers folder, an
   original single file (a float8 one loads as the float8 base, "float8" below, without a
@@ -106,9 +108,7 @@ def load(model_type: str, path: str, dtype=jnp.float32, param_dtype=None, transf
   transformer_dtype: "float8" stores the blocks' frozen Linear kernels in float8 (and
     `layers.Linear` then runs their matmuls in float8).
   attention_impl: "auto" (cuDNN on GPU for 16-bit, else XLA), "cudnn", "xla" or None (XLA).
-  remat: a `stacks.REMAT_POLICIES` key: "none", or "block" (rematerialise each block in the
-  backward pass) and its variants. unrolled=True unrolls the blocks (a faster step on one stage:
-  see `stacks.run_unrolled`).
+  runtime: how the model runs (`runtime.Runtime`), whose form of the weights `layout` stores.
   axes_dims_rope: only for single files of non-standard head sizes, where it cannot be derived.
   layout: a sharding.Layout that places each converted leaf, one at a time (stage shares,
   swapped blocks in host memory); default: the default device.
@@ -116,13 +116,13 @@ def load(model_type: str, path: str, dtype=jnp.float32, param_dtype=None, transf
   fam = family_lib.get(model_type)
   checkpoint = convert.open_checkpoint(fam, path, axes_dims_rope)
   config = checkpoint.config
-  module = make_module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled)
+  module = make_module(fam, config, dtype, param_dtype, attention_impl)
   put, finalize = _placement(fam, transformer_dtype, layout)
   keeps_float8 = lambda p: transformer_dtype == "float8" and is_float8_kernel(fam, p)
   params = convert.load_params(abstract_params(fam, module, config), fam, checkpoint,
                                param_dtype or dtype, put=put, finalize=finalize, progress=progress,
                                keeps_float8=keeps_float8)
-  return Model(fam, config, module, params if layout is None else layout.pack(params))
+  return Model(fam, config, module, params if layout is None else layout.pack(params), runtime)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -135,17 +135,17 @@ def random_weight(name, shape, dtype, key):
 
 
 def init_random(model_type: str, config, key, dtype=jnp.float32, param_dtype=None,
-                transformer_dtype=None, attention_impl: Optional[str] = "auto", remat="none",
-                unrolled=False, layout=None) -> Model:
+                transformer_dtype=None, attention_impl: Optional[str] = "auto",
+                runtime: Runtime = Runtime(), layout=None) -> Model:
   """A model of random weights (`random_weight`) of a family config (benchmarks, full-size
   shapes), made, stored and placed as `load` does a checkpoint's: one leaf at a time, largest
   first, so that the device never holds a whole high-precision copy beside the float8 one."""
   fam = family_lib.get(model_type)
-  module = make_module(fam, config, dtype, param_dtype, attention_impl, remat, unrolled)
+  module = make_module(fam, config, dtype, param_dtype, attention_impl)
   put, finalize = _placement(fam, transformer_dtype, layout)
   flat = {}
   for n, (path, leaf) in enumerate(table.largest_first(table.flatten(abstract_params(fam, module, config)))):
     weight = random_weight(path[-1], leaf.shape, leaf.dtype, jax.random.fold_in(key, n))
     flat.update(finalize(path, put(path, weight)))
   params = table.unflatten(flat)
-  return Model(fam, config, module, params if layout is None else layout.pack(params))
+  return Model(fam, config, module, params if layout is None else layout.pack(params), runtime)

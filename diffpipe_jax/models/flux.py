@@ -4,7 +4,7 @@ Reimplements diffusers `FluxTransformer2DModel` with the same parameter names (t
 LoRAs are exported in); the 19 double- and 38 single-stream blocks (`layers.DoubleStreamBlock`,
 `layers.SingleStreamBlock`, shared with HunyuanVideo) are two stacks (`stacks`), so their
 parameters are one array per weight (`transformer_blocks/attn.to_q/kernel` is
-[num_layers, D, D]) that the block runtime runs scanned, unrolled or pipelined.
+[num_layers, D, D]) that the runtime's `run_stacks` runs (`runtime`).
 
 `SINGLE_FILE_TABLE` maps the Black Forest Labs single-file layout (`flux1-dev.safetensors`) onto
 the diffusers names; `diffpipe_jax.convert` reads it in both directions. `FAMILY`, at the end,
@@ -146,7 +146,8 @@ class Flux(layers.Transformer):
     """hidden_states [B, L, C] packed latents; encoder_hidden_states [B, T, joint_dim];
     pooled_projections [B, pooled_dim]; timestep [B] in [0, 1]; img_ids [L, 3]; txt_ids [T, 3];
     guidance [B] (dev only). Returns the prediction [B, L, C_out].
-    `run_stacks` runs the block stacks: one device by default, or a pipeline over a mesh."""
+    `run_stacks` runs the block stacks: the runtime's (`runtime.Runtime`), by default scanned
+    on one device."""
     c = self.cfg
     kw = self.kw
     img = Linear(c.inner_dim, name="x_embedder", **kw)(hidden_states.astype(self.dtype))
@@ -165,19 +166,13 @@ class Flux(layers.Transformer):
 
     rope = layers.rope_tables(jnp.concatenate([txt_ids, img_ids], axis=0), c.axes_dims_rope, 10000.0)
     x = jnp.concatenate([txt, img], axis=1)
-    blocks = []
     double = layers.DoubleStreamBlock(
         c.num_attention_heads, c.mlp_ratio, txt.shape[1], **DOUBLE_NAMES, text_first=True,
         attention_impl=self.attention_impl, parent=None, **kw)
     single = layers.SingleStreamBlock(c.num_attention_heads, c.mlp_ratio, SINGLE_NAMES,
                                       self.attention_impl, parent=None, **kw)
-    for (name, length, _), block in zip(block_stacks(c), (double, single)):
-      blocks.append(stacks.Stack(
-          name, block, length, layers.stacked_params(self, name, block, length, x, rope, temb),
-          self.get_variable("lora", name) if self.has_variable("lora", name) else None))
-    key = self.make_rng("dropout") if self.lora_dropout > 0 else None
-    img = run_stacks(blocks, x, (temb,), (rope,), remat=self.remat, key=key,
-                     unrolled=self.unrolled)[:, txt.shape[1]:]
+    x = self.run_blocks(run_stacks, block_stacks(c), (double, single), x, (temb,), (rope,))
+    img = x[:, txt.shape[1]:]
 
     scale, shift = layers.adaln_chunks(temb, 2, "norm_out.linear", **kw)
     out_dim = c.patch_size ** 2 * c.out_channels

@@ -277,14 +277,8 @@ class HunyuanVideo(layers.Transformer):
                                       attention_impl=self.attention_impl, parent=None, **kw)
     single = layers.SingleStreamBlock(c.num_attention_heads, c.mlp_ratio, SINGLE_NAMES,
                                       self.attention_impl, parent=None, **kw)
-    blocks = []
-    for (name, length, _), block in zip(block_stacks(c), (double, single)):
-      blocks.append(stacks.Stack(
-          name, block, length, layers.stacked_params(self, name, block, length, x, rope, temb, mask),
-          self.get_variable("lora", name) if self.has_variable("lora", name) else None))
-    key = self.make_rng("dropout") if self.lora_dropout > 0 else None
-    img = run_stacks(blocks, x, (temb, mask), (rope,), remat=self.remat, key=key,
-                     unrolled=self.unrolled)[:, :img.shape[1]]
+    x = self.run_blocks(run_stacks, block_stacks(c), (double, single), x, (temb, mask), (rope,))
+    img = x[:, :img.shape[1]]
 
     shift, scale = layers.adaln_chunks(temb, 2, "final_layer.adaLN_modulation.1", **kw)
     out = Linear(int(np.prod(c.patch)) * c.out_channels, name="final_layer.linear", **kw)(

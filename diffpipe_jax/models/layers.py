@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffpipe_jax import programs, sequence
+from diffpipe_jax import programs, runtime, sequence, stacks
 
 Dtype = Any
 
@@ -27,21 +27,27 @@ class Module(nn.Module, kw_only=True):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   lora_dropout: float = 0.0  # dropout on the input of each LoRA (training only; rng "dropout")
-  # the scanned step's matmuls read their layer's kernel in place (`stacks.kernels_in_place`):
-  # a Linear adds its bias to its LoRA's output and may join its input's parts (see `Linear`)
-  kernels_in_place: bool = False
 
   @property
   def kw(self):
-    return dict(dtype=self.dtype, param_dtype=self.param_dtype, lora_dropout=self.lora_dropout,
-                kernels_in_place=self.kernels_in_place)
+    return dict(dtype=self.dtype, param_dtype=self.param_dtype, lora_dropout=self.lora_dropout)
 
 
 class Transformer(Module, kw_only=True):
-  """A family's transformer: the settings of how its block stacks run, which `models.load` sets."""
+  """A family's transformer, whose stacks of blocks run as the runtime runs them (`run_blocks`)."""
   attention_impl: Optional[str] = None
-  remat: Optional[Callable] = None  # a jax.checkpoint policy for each block, None: no remat
-  unrolled: bool = False  # the blocks unrolled rather than scanned (see stacks.run_unrolled)
+
+  def run_blocks(self, run_stacks, specs, blocks, x, per_sample, shared):
+    """x through a stack of each of `blocks` (unbound modules, each called as
+    block(x, *shared, *per_sample)) by `run_stacks` (the runtime's: `runtime.Runtime`); `specs`:
+    the family's (name, length, cost) of each stack, its weights and LoRA this module's
+    variables of that name."""
+    built = [stacks.Stack(name, block, length,
+                          stacked_params(self, name, block, length, x, *shared, *per_sample),
+                          self.get_variable("lora", name) if self.has_variable("lora", name) else None)
+             for (name, length, _), block in zip(specs, blocks)]
+    key = self.make_rng("dropout") if self.lora_dropout > 0 else None
+    return run_stacks(built, x, per_sample, shared, key=key)
 
 
 class Linear(Module):
@@ -62,11 +68,12 @@ class Linear(Module):
   @nn.compact
   def __call__(self, x, lora_down=None):
     parts = [p.astype(self.dtype) for p in (x if isinstance(x, (list, tuple)) else [x])]
+    in_place = runtime.kernels_in_place()  # the runtime's matmul policy
     float8 = self.has_variable("params", "kernel_scale")
     # Joined: a float8 kernel's activations, quantised per row of the whole input; and, where
     # the matmuls read a scanned layer's kernel in place (below), parts that are smaller joined
     # than the kernel, of which each row slice would be copied at every call.
-    if float8 or (self.kernels_in_place and len(parts) > 1
+    if float8 or (in_place and len(parts) > 1
                   and math.prod(parts[0].shape[:-1]) < self.features):
       parts = [jnp.concatenate(parts, -1)]
     kernel = self.param("kernel", nn.initializers.lecun_normal(),
@@ -75,7 +82,7 @@ class Linear(Module):
     if float8:
       y = float8_matmul(parts[0], kernel, self.get_variable("params", "kernel_scale"))
     else:
-      y = matmul_of_parts(parts, kernel.astype(self.dtype), summed_apart=not self.kernels_in_place)
+      y = matmul_of_parts(parts, kernel.astype(self.dtype), summed_apart=not in_place)
     bias = bias.astype(self.dtype)
     if self.lora_a() is None:
       return programs.keep(y + bias)
@@ -84,11 +91,11 @@ class Linear(Module):
     lora_out = lora_down @ self.get_variable("lora", "lora_B").astype(self.dtype)
     # A matmul that reads a scanned layer's slice of a stacked kernel copies that slice first
     # unless it has no epilogue (a bias, or a GELU that follows) and an addend that the step does
-    # not keep: so, where the scanned step keeps no matmul output (`stacks.kernels_in_place`), the
+    # not keep: so, where the scanned step keeps no matmul output (`runtime.kernels_in_place`), the
     # bias joins the LoRA's output, the matmul's addend, and the sum is fenced off from what
     # follows; where the step keeps them, that placement copies more (benchmarks/HISTORY.md, "The
     # bias beside the LoRA, the modulations ahead" and "Every kernel read in place").
-    if self.kernels_in_place:
+    if in_place:
       return programs.keep(jax.lax.optimization_barrier(y + (lora_out + bias)))
     return programs.keep(y + bias + lora_out)
 

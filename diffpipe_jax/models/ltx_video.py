@@ -214,14 +214,8 @@ class LTXVideo(layers.Transformer):
     # float, not boolean: the blocks' inputs get cotangents (swapped blocks add them up)
     mask = encoder_attention_mask.astype(jnp.float32)
 
-    name, length, _ = block_stacks(c)[0]
     block = Block(c, self.attention_impl, parent=None, **kw)
-    params = layers.stacked_params(self, name, block, length, x, rope, context, temb, mask)
-    blocks = [stacks.Stack(name, block, length, params, self.get_variable("lora", name)
-                           if self.has_variable("lora", name) else None)]
-    key = self.make_rng("dropout") if self.lora_dropout > 0 else None
-    x = run_stacks(blocks, x, (context, temb, mask), (rope,), remat=self.remat, key=key,
-                   unrolled=self.unrolled)
+    x = self.run_blocks(run_stacks, block_stacks(c), [block], x, (context, temb, mask), (rope,))
 
     table = self.param("scale_shift_table", nn.initializers.normal(c.inner_dim ** -0.5),
                        (2, c.inner_dim), self.param_dtype)

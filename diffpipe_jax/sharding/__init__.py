@@ -177,7 +177,7 @@ def make_layout(mesh: Mesh, block_stacks, microbatches: int, blocks_to_swap: int
   diffusion-pipe's stage boundaries `partition_split` in its numbering of the model's layers
   (the family's `layers_around_stacks`, `pipeline.blocks_per_stage`); on one stage, the frozen
   weights of `blocks_to_swap` blocks in pinned host memory, and with the layers `unrolled` (see
-  `stacks.remat_policy`), every stacked leaf per layer."""
+  `runtime.remat_policy`), every stacked leaf per layer."""
   stages = mesh.shape[axes.STAGE]
   split = (pipeline_lib.blocks_per_stage(block_stacks, layers_around_stacks, partition_split, stages)
            if partition_split else None)

@@ -212,7 +212,7 @@ def map_stacked(fn, tree, names, skip=()):
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
-  """`run` has the signature of `stacks.run_stacks` and runs the stacks pipelined over `mesh`."""
+  """`run` runs the stacks as `stacks.run_stacks` does (but unrolled), pipelined over `mesh`."""
   mesh: Mesh
   plan: Plan
 
@@ -220,9 +220,7 @@ class Pipeline:
     """The same stages run on a batch that is one microbatch (evals, sampling)."""
     return dataclasses.replace(self, plan=dataclasses.replace(self.plan, microbatches=1))
 
-  def run(self, stacks: Sequence[stacks_lib.Stack], x, per_sample, shared, *, remat=None, key=None,
-          unrolled=False):
-    assert not unrolled, "a pipeline's chunks are scanned (stacks.remat_policy rejects unrolled)"
+  def run(self, stacks: Sequence[stacks_lib.Stack], x, per_sample, shared, *, remat=None, key=None):
     plan, M = self.plan, self.plan.microbatches
     if x.shape[0] % M:
       raise ValueError(f"a batch of {x.shape[0]} does not split into {M} microbatches")
