@@ -145,3 +145,18 @@ def test_the_vae_in_the_single_file_loads_back_exactly_as_0_9_1(pipeline, pipe, 
   assert config["transformer"]["num_layers"] == ltx_video.TINY_LTX["num_layers"]
   assert config["vae"]["latent_channels"] == ltx_video.TINY_VAE["latent_channels"]
   assert len(config["vae"]["decoder_blocks"]) == 7  # up_blocks.0-6 of the file
+
+
+def test_a_decode_is_the_same_every_time_and_leaves_torchs_generator_as_it_was(encoders):
+  """The decoder's blocks add noise (`decoder_inject_noise`) from torch's global generator: drawn
+  from a fixed seed, a sample decodes the same in every run (it differed from run to run)."""
+  import torch
+  grid = encoders.latent_grid(9, 64, 64)
+  latents = np.random.default_rng(0).standard_normal(
+      (1, int(np.prod(grid)), encoders.vae.config.latent_channels)).astype(np.float32)
+  assert any(encoders.vae.config.decoder_inject_noise)  # else the test shows nothing
+  first = encoders.decode(latents, grid)
+  torch.manual_seed(1234)
+  state = torch.random.get_rng_state()
+  np.testing.assert_array_equal(encoders.decode(latents, grid), first)
+  assert torch.equal(torch.random.get_rng_state(), state)

@@ -122,7 +122,10 @@ class LTXVideoEncoders(Encoders):
   def decode_media(self, latents, grid):
     """Latents [B, F'*H'*W', C] of a latent grid -> np [B, F, H, W, 3] in [-1, 1], as LTXPipeline
     unpacks, denormalises and decodes them (a timestep-conditioned decoder at its default
-    decode_timestep 0, so no noise is mixed in)."""
+    decode_timestep 0, so no noise is mixed into the latents). The decoder's blocks still add
+    noise of their own (`decoder_inject_noise`, the released 0.9.1 VAE's) from torch's global
+    generator: drawn here from a fixed seed, so that a sample is the same in every run and
+    leaves the caller's generator as it was."""
     import torch
     vae = self.vae
     z = torch.from_numpy(np.array(latents, np.float32)).to(self.vae.device, self.vae.dtype)
@@ -131,7 +134,8 @@ class LTXVideoEncoders(Encoders):
     z = z * stats(vae.latents_std) / vae.config.scaling_factor + stats(vae.latents_mean)
     temb = (torch.zeros(z.shape[0], device=z.device, dtype=z.dtype)
             if vae.config.timestep_conditioning else None)
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng(devices=[z.device] if z.device.type == "cuda" else []):
+      torch.manual_seed(0)
       pixels = vae.decode(z, temb).sample
     return pixels.clamp(-1, 1).float().cpu().numpy().transpose(0, 2, 3, 4, 1)
 
