@@ -11,7 +11,7 @@ Needs jax's CUDA plugin (`pip install "jax[cuda13]"`), not a GPU: XLA compiles f
 `H200` (XLA's own spec of the card, less what a compile does not read) without autotuning, so
 the fusions and copies are the device's and the matmul algorithms are not. What is compiled is
 traced at the released shape (`train_step.SHAPES`) without allocating it: the gradient's
-programs of one training step (`update.grad_fn`, one micro-batch; the optimizer update, one
+programs of one training step (`training_step.grad_fn`, one micro-batch; the optimizer update, one
 program without matmuls, is left out), or `sampling.denoise` of `--sample` steps as
 `sample_steps.py` runs it. Bytes are each kernel's operands and results (of an operand that a
 fusion only slices, the slices); the floor is those bytes at `--tb_per_s` or the matmuls' FLOPs
@@ -196,18 +196,18 @@ def _abstract_model(a, device, remat):
 
 
 def training_step(a, device):
-  """(the training step's gradient (`update.grad_fn`, one micro-batch), its arguments)."""
+  """(the training step's gradient (`training_step.grad_fn`, one micro-batch), its arguments)."""
   import jax
-  from diffpipe_jax import lora, optim, update
+  from diffpipe_jax import lora, optim, training_step
 
   model, config, abstract, layout = _abstract_model(a, device, a.remat)
   tx, _ = optim.make(config, 1000)
-  adapter = jax.eval_shape(lambda key: update.init_state(
+  adapter = jax.eval_shape(lambda key: training_step.init_state(
       key, layer_params=abstract, config=config, tx=tx, family=model.family)["lora"], jax.random.key(0))
   adapter = jax.eval_shape(lambda a_: lora.in_dtype(layout.to_stages(a_), model.module.dtype), adapter)
   batch = train_step.as_cached(train_step.SHAPES[a.model](a).batch(1), model.module.dtype)
   keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 1))
-  grads = update.grad_fn(model, config, jit_options={})  # (options: at compile)
+  grads = training_step.grad_fn(model, config, jit_options={})  # (options: at compile)
   return grads, (adapter, model.params, jax.tree.map(lambda x: x[None], batch), keys)  # [A=1, ...]
 
 

@@ -146,7 +146,7 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
   import importlib
   import jax
   import jax.numpy as jnp
-  from diffpipe_jax import family as family_lib, models, optim, runtime, sharding, update
+  from diffpipe_jax import family as family_lib, models, optim, runtime, sharding, training_step
 
   data, stages, seq = map(int, (layout_name.split("x") + ["1"])[:3])
   fam, shape = family_lib.get(a.model), SHAPES[a.model](a)
@@ -169,13 +169,13 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
                              runtime=runtime.Runtime.of(layout, MODES[mode]["remat"]))
   tx, _ = optim.make(config, 1000)
   state = layout.create(functools.partial(
-      update.init_state, layer_params=models.abstract_params(fam, model.module, shape.cfg),
+      training_step.init_state, layer_params=models.abstract_params(fam, model.module, shape.cfg),
       config=config, tx=tx, family=fam), jax.random.key(1))
   samples = data * a.microbatches * a.batch  # `batch` a microbatch and data-parallel replica
   batch = jax.tree.map(lambda x: x.reshape(a.microbatches, data * a.batch, *x.shape[1:]),
                        as_cached(shape.batch(samples), dtype))
   batches = sharding.global_batch(layout.mesh, batch)
-  step = update.make_step(model, config, tx, layout)
+  step = training_step.make_step(model, config, tx, layout)
   memory = lambda key: max((d.memory_stats() or {}).get(key, 0) for d in devices) / 2**30
   resident = memory("bytes_in_use")  # weights + state, per GPU
   t0 = time.perf_counter()

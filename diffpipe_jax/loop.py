@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from diffpipe_jax import (axes, checkpoint, data, errors, lora, metrics as metrics_lib, sampling, sharding,
                           stacks)
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.update import EVAL_QUANTILES, make_eval
+from diffpipe_jax.training_step import EVAL_QUANTILES, make_eval
 
 DIVERGENCE_BASELINE_STEPS = 10  # a later loss ten times these steps' median warns
 ABORTED_EXIT_CODE = 128 + signal.SIGINT  # a shell's status of a process that Ctrl-C ended

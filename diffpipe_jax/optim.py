@@ -2,7 +2,7 @@
 names).
 
 Every optimizer runs on float32 copies of the gradients and the LoRA (`in_float32`): its moments
-are float32 whatever `adapter.dtype`, and so are its updates, which `update.apply_gradients` adds
+are float32 whatever `adapter.dtype`, and so are its updates, which `training_step.apply_gradients` adds
 in float32 and rounds to the LoRA's dtype. With a bfloat16 LoRA, `adamw_optimi` keeps what that
 rounding loses and adds it back later (`kahan_summation`, as the optimi library does).
 
@@ -44,7 +44,7 @@ def learning_rate(config, total_steps):
 def make(config, total_steps):
   """`optimizer.type` after global-norm clipping, in float32 (the AdamWs without weight decay on
   1-D parameters); returns (tx, lr_fn). With prodigy, lr_fn (1.0, typically) multiplies its
-  estimated learning rate, which each step's metrics carry (`update.apply_gradients`)."""
+  estimated learning rate, which each step's metrics carry (`training_step.apply_gradients`)."""
   o = config.optimizer
   kind, lr = o.type.lower(), learning_rate(config, total_steps)
   if kind == "prodigy":

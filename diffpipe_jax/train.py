@@ -16,7 +16,7 @@ from diffpipe_jax import (axes, checkpoint, data, device_memory, errors, lora, l
                           optim, runtime, sampling, sequence, sharding, tiny, validate)
 from diffpipe_jax import family as family_lib, metrics as metrics_lib
 from diffpipe_jax.errors import UserError
-from diffpipe_jax.update import init_state, make_step
+from diffpipe_jax.training_step import init_state, make_step
 
 COMPILATION_CACHE_BYTES = 16 * 2**30  # beyond this, the least recently used programs go
 

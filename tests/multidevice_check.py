@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from conftest import family_config  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 from diffpipe_jax import (family as family_lib, lora, models, optim, runtime, sampling,  # noqa: E402
-                          sequence, sharding, update)
+                          sequence, sharding, training_step)
 
 
 def parse_layouts(text):
@@ -66,10 +66,10 @@ def run_on(mesh, fam, path, config, stages, unrolled, partition_split, steps, ac
   layer_params = models.abstract_params(fam, model.module, model.config)
   adapter = lora.init(layer_params, fam.lora_targets, 4, jnp.float32, jax.random.key(0))
   adapter = jax.tree.map(lambda x: x + 0.05, adapter)  # non-zero B: gradients reach A too
-  state = layout.create(functools.partial(update.init_state, layer_params=layer_params,
+  state = layout.create(functools.partial(training_step.init_state, layer_params=layer_params,
                                           config=config, tx=tx, family=fam), None, adapter)
-  grads = update.grad_fn(model, config)
-  step = update.make_step(model, config, tx, layout)  # unrolled: split into programs per block
+  grads = training_step.grad_fn(model, config)
+  step = training_step.make_step(model, config, tx, layout)  # unrolled: split into programs per block
   keys = jax.random.split(jax.random.key(99), accum)
   args = (state["lora"], model.params, batches_for(fam, model.config, 0, mesh), keys)
   loss0, grads0 = (grads if layout.unrolled else jax.jit(grads))(*args)

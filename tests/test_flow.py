@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import family_config
-from diffpipe_jax import flow, lora, update
+from diffpipe_jax import flow, lora, training_step
 
 
 def config(**overrides):
@@ -39,7 +39,7 @@ def test_the_config_picks_the_loss_of_training_and_evals(flux):
   fam = flux.family
   adapter = lora.init(flux.params, fam.lora_targets, 4, jnp.float32, jax.random.key(0))
   batch = fam.random_batch(flux.config, 2, seed=3)
-  loss = lambda quantile=None, **options: float(update.loss_fn(
+  loss = lambda quantile=None, **options: float(training_step.loss_fn(
       adapter, flux.params, batch, jax.random.key(1), model=flux, config=config(**options), quantile=quantile))
   mse, eval_mse = loss(), loss(0.3)  # training's, an eval's
   np.testing.assert_allclose(loss(huber_delta=1e3), 0.5 * mse, rtol=1e-6)
@@ -50,7 +50,7 @@ def test_the_config_picks_the_loss_of_training_and_evals(flux):
 def timesteps(model, key, quantile=None, **overrides):
   """The training (or an eval quantile's) timesteps of a batch of 512, as the model gets them."""
   batch = model.family.random_batch(model.config, 512, height=1, width=1, txt_len=1)
-  inputs, *_ = update.model_inputs(batch, key, model=model, config=config(**overrides), quantile=quantile)
+  inputs, *_ = training_step.model_inputs(batch, key, model=model, config=config(**overrides), quantile=quantile)
   return np.asarray(inputs["timestep"])
 
 

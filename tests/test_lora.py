@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from diffpipe_jax import family as family_lib, lora, models, update
+from diffpipe_jax import family as family_lib, lora, models, training_step
 from conftest import diffusers_modules, family_config, load_lora_in_diffusers
 from tolerances import LORA_PARITY, assert_close, rel_err
 from diffpipe_jax.convert import CheckpointError, table
@@ -124,7 +124,7 @@ def test_excluded_modules_get_no_lora_and_are_not_exported(flux, tmp_path):
   fam = flux.family
   config = family_config("flux")
   config.adapter.exclude_modules = ("proj_out", "attn.to_out.0", "ff.net.2")
-  adapter = randomised(update.init_state(jax.random.key(0), layer_params=flux.params, config=config,
+  adapter = randomised(training_step.init_state(jax.random.key(0), layer_params=flux.params, config=config,
                                          tx=optax.sgd(1.0), family=fam)["lora"])
   every = set(lora.select_targets(flux.params, fam.lora_targets))
   excluded = {"single_transformer_blocks.proj_out", "transformer_blocks.attn.to_out.0",

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import family_config
 from tolerances import FLOAT32_REORDERING, assert_close
-from diffpipe_jax import optim, schema, sharding, stacks, update, validate
+from diffpipe_jax import optim, schema, sharding, stacks, training_step, validate
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 
 # one matrix of 4096 values (8-bit moments in adamw8bit), one smaller (float32 moments)
@@ -37,7 +37,7 @@ TARGET = jax.tree.map(lambda p: p + 0.3, INIT)
 
 def train(tx, dtype, steps, noise=0.0):
   """The state after `steps` updates toward TARGET (gradient p - TARGET plus noise, in the
-  LoRA's dtype), through `update.apply_gradients`; the optimizer states after each step."""
+  LoRA's dtype), through `training_step.apply_gradients`; the optimizer states after each step."""
   state = dict(lora=optax.tree.cast(INIT, dtype), step=jnp.zeros((), jnp.int32))
   state["opt_state"] = tx.init(state["lora"])
 
@@ -45,7 +45,7 @@ def train(tx, dtype, steps, noise=0.0):
   def step(state, key):
     g = jax.tree.map(lambda p, t, n: (p.astype(jnp.float32) - t + noise * n).astype(p.dtype),
                      state["lora"], TARGET, random_tree(key))
-    return update.apply_gradients(state, 0.0, g, tx=tx)[0]
+    return training_step.apply_gradients(state, 0.0, g, tx=tx)[0]
   states = []
   for i in range(steps):
     states.append(state := step(state, i + 1))
@@ -139,11 +139,11 @@ def test_prodigy_estimates_the_learning_rate():
   assert lr_fn(50) == 1.0
   assert 1e-6 < estimates[5] < estimates[20] < estimates[-1]  # from its initial 1e-6
   # each update's metrics carry the estimate it used (train/lr logs the schedule times it)
-  metrics = update.apply_gradients(states[20], 0.0, states[20]["lora"], tx=tx)[1]
+  metrics = training_step.apply_gradients(states[20], 0.0, states[20]["lora"], tx=tx)[1]
   assert float(metrics["estim_lr"]) == estimates[20]
   adamw, _ = optim.make(config("adamw"), 100)
   adamw_state = dict(lora=INIT, opt_state=adamw.init(INIT), step=jnp.zeros((), jnp.int32))
-  assert "estim_lr" not in update.apply_gradients(adamw_state, 0.0, INIT, tx=adamw)[1]
+  assert "estim_lr" not in training_step.apply_gradients(adamw_state, 0.0, INIT, tx=adamw)[1]
   assert mean_distance(state["lora"], TARGET) < 0.3 * mean_distance(INIT, TARGET)
 
 
@@ -208,7 +208,7 @@ def test_bfloat16_lora_keeps_its_dtype(kind):
   dtypes = lambda tree: jax.tree.map(lambda x: x.dtype, tree)
   changed = lambda a, b: not jax.tree.all(jax.tree.map(np.array_equal, a, b))
   for g_dtype in (jnp.bfloat16, jnp.float32):
-    new, _ = update.apply_gradients(state, 0.0, optax.tree.cast(random_tree(7), g_dtype), tx=tx)
+    new, _ = training_step.apply_gradients(state, 0.0, optax.tree.cast(random_tree(7), g_dtype), tx=tx)
     assert dtypes(new) == dtypes(state)
     if kind == "prodigy":  # its first steps (its initial estimate is 1e-6) are below bf16's precision
       assert changed(*(optax.tree.get(s["opt_state"], "exp_avg") for s in (new, state)))

@@ -29,7 +29,7 @@ from conftest import (FAMILIES, MACHINERY_FAMILY, diffusers_modules, family_conf
                       xla_flags)
 from tolerances import LORA_PARITY, assert_close, rel_err
 from diffpipe_jax import (checkpoint, data, family as family_lib, lora, loop, models, optim, runtime,
-                          sharding, stacks, train, update)
+                          sharding, stacks, train, training_step)
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.convert import table
 from diffpipe_jax.stacks import host_layers, is_layer_arrays, swapped_stacks
@@ -77,9 +77,9 @@ def trained_adapter(model, config, steps, samples=2):
   tx, _ = optim.make(config, steps)
   adapter = lora.init(model.params, fam.lora_targets, config.adapter.rank, jnp.float32, jax.random.key(0))
   state = dict(lora=adapter, opt_state=tx.init(adapter), step=jnp.zeros((), jnp.int32))
-  step = jax.jit(lambda s, b, k: update.train_step(
-      s, model.params, b, k, grads=update.grad_fn(model, config),
-      update=functools.partial(update.apply_gradients, tx=tx)))
+  step = jax.jit(lambda s, b, k: training_step.train_step(
+      s, model.params, b, k, grads=training_step.grad_fn(model, config),
+      update=functools.partial(training_step.apply_gradients, tx=tx)))
   losses = []
   for i in range(steps):
     batches = jax.tree.map(lambda x: x.reshape(1, samples, *x.shape[1:]), batch)
@@ -125,7 +125,7 @@ def test_lora_dropout_acts_in_training_only(loaded):
   adapter = lora.init(model.params, fam.lora_targets, 4, jnp.float32, jax.random.key(0))
   adapter = jax.tree.map(lambda x: x + 0.1, adapter)  # non-zero B
   batch = fam.random_batch(model.config, 2, seed=4)
-  loss = lambda rate, seed: float(update.loss_fn(adapter, model.params, batch, jax.random.key(seed), model=model,
+  loss = lambda rate, seed: float(training_step.loss_fn(adapter, model.params, batch, jax.random.key(seed), model=model,
                                                 config=tiny_config(fam.type, **{"adapter.dropout": rate})))
   assert loss(0.5, 0) != loss(0.0, 0)  # same noise and t, dropped LoRA inputs
   assert loss(0.0, 0) == loss(0.0, 0)
@@ -385,7 +385,7 @@ def test_readme_shows_the_lines_of_metrics_jsonl(tmp_path, monkeypatch, name=MAC
   epoch's, an eval's), its keys in order (values elided, an eval's quantiles cut short)."""
   monkeypatch.chdir(tmp_path)
   monkeypatch.setattr(train, "make_step", fake_step(loss=1.0, grad_norm=1.0))
-  monkeypatch.setattr(loop, "make_eval", lambda *args: lambda *a: np.ones(len(update.EVAL_QUANTILES)))
+  monkeypatch.setattr(loop, "make_eval", lambda *args: lambda *a: np.ones(len(training_step.EVAL_QUANTILES)))
   run = train.run(tiny_config(name, output_dir=str(tmp_path / "out"), eval_before_first_step=False,
                               max_steps=3))  # an epoch
   with open(os.path.join(run, "metrics.jsonl")) as f:
@@ -510,15 +510,15 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(loaded):
     if scanned:
       run = dataclasses.replace(model, runtime=runtime.Runtime(remat))
       args = (adapter, model.params, *inputs)
-      grads = update.grad_fn(run, config)
+      grads = training_step.grad_fn(run, config)
     else:
       run = models.load(fam.type, path, runtime=runtime.Runtime.of(unrolled), layout=unrolled,
                         progress=False)
       args = (unrolled.to_stages(adapter), run.params, *inputs)
-      loss, g = update.grad_fn(run, config)(*args)
+      loss, g = training_step.grad_fn(run, config)(*args)
       results["split", False] = loss, unrolled.to_layers(g)
       # the unrolled layers jitted whole, one program of every layer
-      loss_and_grad = jax.value_and_grad(functools.partial(update.loss_fn, model=run, config=config))
+      loss_and_grad = jax.value_and_grad(functools.partial(training_step.loss_fn, model=run, config=config))
       grads = lambda adapter, params, batches, keys: loss_and_grad(
           adapter, params, jax.tree.map(lambda x: x[0], batches), keys[0])
     compiled = jax.jit(grads).lower(*args).compile()
@@ -555,11 +555,11 @@ def test_the_unrolled_step_reads_the_lora_in_the_compute_dtype(tiny_models, name
   layer_params = models.abstract_params(fam, model.module, model.config)
   adapter = jax.tree.map(lambda a: a + 0.01, lora.init(layer_params, fam.lora_targets, 4,
                                                        jnp.float32, jax.random.key(0)))
-  state = layout.create(functools.partial(update.init_state, layer_params=layer_params,
+  state = layout.create(functools.partial(training_step.init_state, layer_params=layer_params,
                                           config=config, tx=tx, family=fam), None, adapter)
   batches = [jax.tree.map(lambda x: x[None], fam.random_batch(model.config, 2, seed=s)) for s in (0, 1)]
   keys = [jax.random.split(jax.random.key(s), 1) for s in (0, 1)]
-  grads = update.grad_fn(model, config)
+  grads = training_step.grad_fn(model, config)
   loss, want = grads(state["lora"], model.params, batches[0], keys[0])
   loss_bf16, got = grads(lora.in_dtype(state["lora"], jnp.bfloat16), model.params, batches[0], keys[0])
   assert float(loss_bf16) == float(loss)
@@ -567,12 +567,12 @@ def test_the_unrolled_step_reads_the_lora_in_the_compute_dtype(tiny_models, name
     assert g.dtype == jnp.bfloat16
     np.testing.assert_array_equal(g.astype(jnp.float32), w)
 
-  by_hand = jax.jit(functools.partial(update.apply_gradients, tx=tx))
+  by_hand = jax.jit(functools.partial(training_step.apply_gradients, tx=tx))
   plain = layout.to_layers(state)
   for batch, key in zip(batches, keys):
     loss, g = grads(layout.to_stages(plain["lora"]), model.params, batch, key)
     plain, _ = by_hand(plain, loss, layout.to_layers(g))
-  step = update.make_step(model, config, tx, layout)
+  step = training_step.make_step(model, config, tx, layout)
   for s, batch in enumerate(batches):
     state, _ = step(state, model.params, batch, jax.random.key(s))  # its keys: `keys`
   assert_close(layout.to_layers(state["lora"]), plain["lora"])
@@ -609,7 +609,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
     if swap == most:  # disable_block_swap_for_eval: the evals on a device copy, the same losses
       on_device = loop.eval_weights(model.params, dict(disable_block_swap_for_eval=True), layout)
       assert all(a.sharding.memory_kind == "device" for a in jax.tree.leaves(on_device))
-      evaluate = update.make_eval(model, config)
+      evaluate = training_step.make_eval(model, config)
       assert_close(evaluate(args[0], on_device, batch, jax.random.key(2)),
                    evaluate(args[0], model.params, batch, jax.random.key(2)), what="eval loss")
     if not scanned:
@@ -618,7 +618,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
         want = [i in stacks.swap_positions(lengths[name], n) for i in range(lengths[name])]
         for leaf in jax.tree.leaves(model.params[name], is_leaf=is_layer_arrays):
           assert [a.sharding.memory_kind == "pinned_host" for a in leaf.arrays] == want, (name, n)
-      loss, g = update.grad_fn(model, config)(*args)
+      loss, g = training_step.grad_fn(model, config)(*args)
       results[remat, swap, scanned] = loss, layout.to_layers(g)
       continue
     swapped = swapped_stacks(model.params)
@@ -626,7 +626,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
     assert len(swapped) == len(layout.swap)
     assert all(h.sharding.memory_kind == "pinned_host" for s in swapped for h in s.pinned_host)
     assert all(a.sharding.memory_kind == "device" for s in swapped for a in jax.tree.leaves(s.device))
-    grads = update.grad_fn(model, config)
+    grads = training_step.grad_fn(model, config)
     results[remat, swap, scanned] = jax.jit(grads)(*args)
     temps[remat, swap] = jax.jit(grads).lower(*args).compile().memory_analysis().temp_size_in_bytes
     # each swapped layer is copied to the device twice, forward and backward, as one buffer:
