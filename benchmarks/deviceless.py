@@ -182,16 +182,16 @@ def _abstract_model(a, device, remat):
   from diffpipe_jax import family as family_lib, models, runtime, sharding
   from diffpipe_jax.convert import table
 
-  fam, shape = family_lib.get(a.model), train_step.SHAPES[a.model](a)
+  family, shape = family_lib.get(a.model), train_step.SHAPES[a.model](a)
   config = importlib.import_module(f"diffpipe_jax.configs.{a.model.replace('-', '_')}").get_config("")
   config.adapter.rank = a.rank
-  module = models.make_module(fam, shape.cfg, jnp.float32 if a.smoke else jnp.bfloat16, None,
+  module = models.make_module(family, shape.cfg, jnp.float32 if a.smoke else jnp.bfloat16, None,
                               None if a.smoke else "cudnn")
-  layout = sharding.make_layout(sharding.make_mesh(1, [device]), fam.stacks(shape.cfg), 1, unrolled=True)
-  abstract = models.abstract_params(fam, module, shape.cfg)
+  layout = sharding.make_layout(sharding.make_mesh(1, [device]), family.stacks(shape.cfg), 1, unrolled=True)
+  abstract = models.abstract_params(family, module, shape.cfg)
   params = jax.eval_shape(lambda p: table.unflatten(
       {path: layout.settle(path, w) for path, w in table.flatten(p).items()}), abstract)
-  model = models.Model(fam, shape.cfg, module, params, runtime.Runtime.of(layout, remat))
+  model = models.Model(family, shape.cfg, module, params, runtime.Runtime.of(layout, remat))
   return model, config, abstract, layout
 
 

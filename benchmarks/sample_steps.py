@@ -54,9 +54,9 @@ def ours(a):
   import jax
   import jax.numpy as jnp
   from diffpipe_jax import family as family_lib, models, runtime, sampling, sharding
-  fam = family_lib.get(a.model)
+  family = family_lib.get(a.model)
   shape, conditioning, uncond, noise, tokens = inputs(a)
-  layout = sharding.make_layout(sharding.make_mesh(1), fam.stacks(shape.cfg), 1, 0, a.unrolled)
+  layout = sharding.make_layout(sharding.make_mesh(1), family.stacks(shape.cfg), 1, 0, a.unrolled)
   model = models.init_random(a.model, shape.cfg, jax.random.key(0), runtime=runtime.Runtime.of(layout),
                              dtype=jnp.float32 if a.smoke else jnp.bfloat16, layout=layout)
   model_config = sampling_config(a)
@@ -84,16 +84,16 @@ def peer(a):
   import diffusers
   import torch
   from diffpipe_jax import family as family_lib
-  fam = family_lib.get(a.model)
+  family = family_lib.get(a.model)
   shape, conditioning, uncond, noise, tokens = inputs(a)
   device = "cuda" if torch.cuda.is_available() else "cpu"
   dtype = torch.float32 if a.smoke else torch.bfloat16
-  cls = getattr(diffusers, fam.diffusers_class)
+  cls = getattr(diffusers, family.diffusers_class)
   accepted = inspect.signature(cls.__init__).parameters
   with torch.device(device):  # random weights, made on the device
     transformer = cls(**{k: v for k, v in dataclasses.asdict(shape.cfg).items() if k in accepted})
     transformer = transformer.to(dtype).eval()
-  scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**fam.sampling.scheduler(shape.cfg))
+  scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**family.sampling.scheduler(shape.cfg))
   pipeline = getattr(diffusers, {"flux": "FluxPipeline", "ltx-video": "LTXPipeline",
                                  "hunyuan-video": "HunyuanVideoPipeline"}[a.model])
   components = {n: None for n in inspect.signature(pipeline.__init__).parameters if n != "self"}
@@ -104,7 +104,7 @@ def peer(a):
     kw["pooled_prompt_embeds"] = t(conditioning["pooled"])
   if "text_mask" in conditioning:
     kw["prompt_attention_mask"] = t(conditioning["text_mask"])
-  if fam.sampling.guidance_mode == "cfg":
+  if family.sampling.guidance_mode == "cfg":
     kw |= dict(negative_prompt_embeds=t(uncond["text"]), negative_prompt_attention_mask=t(uncond["text_mask"]))
   width = a.width or a.res
   video = dict(num_frames=a.frames) if a.model != "flux" else {}

@@ -149,7 +149,7 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
   from diffpipe_jax import family as family_lib, models, optim, runtime, sharding, training_step
 
   data, stages, seq = map(int, (layout_name.split("x") + ["1"])[:3])
-  fam, shape = family_lib.get(a.model), SHAPES[a.model](a)
+  family, shape = family_lib.get(a.model), SHAPES[a.model](a)
   config = importlib.import_module(f"diffpipe_jax.configs.{a.model.replace('-', '_')}").get_config("")
   config.adapter.rank = a.rank
   dtype = jnp.float32 if a.smoke else jnp.bfloat16
@@ -159,7 +159,7 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
   mesh = sharding.make_mesh(stages, devices, seq)
   if seq > 1:
     jax.set_mesh(mesh)  # what this process (one run) traces splits its tokens (`sequence.parallel`)
-  layout = sharding.make_layout(mesh, fam.stacks(shape.cfg),
+  layout = sharding.make_layout(mesh, family.stacks(shape.cfg),
                                 a.microbatches, int(blocks_to_swap), MODES[mode].get("unrolled", False),
                                 **({"tick_overhead": a.tick_overhead} if a.tick_overhead else {}))
   if layout.plan:
@@ -169,8 +169,8 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
                              runtime=runtime.Runtime.of(layout, MODES[mode]["remat"]))
   tx, _ = optim.make(config, 1000)
   state = layout.create(functools.partial(
-      training_step.init_state, layer_params=models.abstract_params(fam, model.module, shape.cfg),
-      config=config, tx=tx, family=fam), jax.random.key(1))
+      training_step.init_state, layer_params=models.abstract_params(family, model.module, shape.cfg),
+      config=config, tx=tx, family=family), jax.random.key(1))
   samples = data * a.microbatches * a.batch  # `batch` a microbatch and data-parallel replica
   batch = jax.tree.map(lambda x: x.reshape(a.microbatches, data * a.batch, *x.shape[1:]),
                        as_cached(shape.batch(samples), dtype))

@@ -37,13 +37,13 @@ class Model:
     return self._apply({"params": self.params}, self.family.check_inputs(self.config, inputs))
 
 
-def abstract_params(fam: Family, module, config):
+def abstract_params(family: Family, module, config):
   """Parameter shapes and dtypes of `module`, computed without allocating anything."""
-  dummy = fam.random_inputs(config)
+  dummy = family.random_inputs(config)
   return jax.eval_shape(lambda: module.init(jax.random.key(0), **dummy))["params"]
 
 
-def storage_finalizer(fam: Family, transformer_dtype: Optional[str]):
+def storage_finalizer(family: Family, transformer_dtype: Optional[str]):
   """Per-leaf hook for the frozen weights' storage: "float8" keeps the block Linears' kernels
   in float8_e4m3fn with per-channel scales; norms, biases, embedders and final layers stay.
   A kernel that is float8 already (a float8 checkpoint's) keeps its values, at scale 1."""
@@ -57,7 +57,7 @@ def storage_finalizer(fam: Family, transformer_dtype: Optional[str]):
     return q, jnp.squeeze(scale, -2)
 
   def finalize(path, value):
-    if not is_float8_kernel(fam, path):
+    if not is_float8_kernel(family, path):
       return {path: value}
     if value.dtype == jnp.float8_e4m3fn:
       q, scale = value, jnp.ones(value.shape[:-2] + value.shape[-1:], jnp.float32)
@@ -67,16 +67,16 @@ def storage_finalizer(fam: Family, transformer_dtype: Optional[str]):
   return finalize
 
 
-def is_float8_kernel(fam: Family, path) -> bool:
+def is_float8_kernel(family: Family, path) -> bool:
   """Whether float8 storage covers this leaf: a kernel of the family's `float8_targets`."""
-  return path[-1] == "kernel" and table.matches(".".join(path[:-1]), fam.float8_targets)
+  return path[-1] == "kernel" and table.matches(".".join(path[:-1]), family.float8_targets)
 
 
-def make_module(fam, config, dtype, param_dtype, attention_impl):
+def make_module(family, config, dtype, param_dtype, attention_impl):
   """The family's module for `load`'s settings (which see)."""
   if attention_impl == "auto":
     attention_impl = layers.default_attention_implementation(dtype)
-  return fam.make_module(config, dtype=dtype, param_dtype=param_dtype or dtype,
+  return family.make_module(config, dtype=dtype, param_dtype=param_dtype or dtype,
                          attention_impl=attention_impl)
 
 
@@ -85,11 +85,11 @@ def checkpoint_config(model_type: str, path: str, axes_dims_rope=None):
   return convert.open_checkpoint(family_lib.get(model_type), path, axes_dims_rope).config
 
 
-def _placement(fam, transformer_dtype, layout):
+def _placement(family, transformer_dtype, layout):
   """(put, finalize) for leaves made one at a time (`convert.load_params`' hooks): `put` places a
   weight (default: the default device), `finalize` gives its storage dtype, then the layout's
   swap (float8 is swapped too)."""
-  storage = storage_finalizer(fam, transformer_dtype) or (lambda path, value: {path: value})
+  storage = storage_finalizer(family, transformer_dtype) or (lambda path, value: {path: value})
 
   def finalize(path, value):
     leaves = storage(path, value)
@@ -113,16 +113,16 @@ def load(model_type: str, path: str, dtype=jnp.float32, param_dtype=None, transf
   layout: a sharding.Layout that places each converted leaf, one at a time (stage shares,
   swapped blocks in host memory); default: the default device.
   """
-  fam = family_lib.get(model_type)
-  checkpoint = convert.open_checkpoint(fam, path, axes_dims_rope)
+  family = family_lib.get(model_type)
+  checkpoint = convert.open_checkpoint(family, path, axes_dims_rope)
   config = checkpoint.config
-  module = make_module(fam, config, dtype, param_dtype, attention_impl)
-  put, finalize = _placement(fam, transformer_dtype, layout)
-  keeps_float8 = lambda p: transformer_dtype == "float8" and is_float8_kernel(fam, p)
-  params = convert.load_params(abstract_params(fam, module, config), fam, checkpoint,
+  module = make_module(family, config, dtype, param_dtype, attention_impl)
+  put, finalize = _placement(family, transformer_dtype, layout)
+  keeps_float8 = lambda p: transformer_dtype == "float8" and is_float8_kernel(family, p)
+  params = convert.load_params(abstract_params(family, module, config), family, checkpoint,
                                param_dtype or dtype, put=put, finalize=finalize, progress=progress,
                                keeps_float8=keeps_float8)
-  return Model(fam, config, module, params if layout is None else layout.pack(params), runtime)
+  return Model(family, config, module, params if layout is None else layout.pack(params), runtime)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -140,12 +140,12 @@ def init_random(model_type: str, config, key, dtype=jnp.float32, param_dtype=Non
   """A model of random weights (`random_weight`) of a family config (benchmarks, full-size
   shapes), made, stored and placed as `load` does a checkpoint's: one leaf at a time, largest
   first, so that the device never holds a whole high-precision copy beside the float8 one."""
-  fam = family_lib.get(model_type)
-  module = make_module(fam, config, dtype, param_dtype, attention_impl)
-  put, finalize = _placement(fam, transformer_dtype, layout)
+  family = family_lib.get(model_type)
+  module = make_module(family, config, dtype, param_dtype, attention_impl)
+  put, finalize = _placement(family, transformer_dtype, layout)
   flat = {}
-  for n, (path, leaf) in enumerate(table.largest_first(table.flatten(abstract_params(fam, module, config)))):
+  for n, (path, leaf) in enumerate(table.largest_first(table.flatten(abstract_params(family, module, config)))):
     weight = random_weight(path[-1], leaf.shape, leaf.dtype, jax.random.fold_in(key, n))
     flat.update(finalize(path, put(path, weight)))
   params = table.unflatten(flat)
-  return Model(fam, config, module, params if layout is None else layout.pack(params), runtime)
+  return Model(family, config, module, params if layout is None else layout.pack(params), runtime)
