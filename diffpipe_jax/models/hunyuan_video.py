@@ -166,18 +166,6 @@ SINGLE_NAMES = layers.SingleStreamNames("modulation.linear", ("linear1",), ("q_n
                                         "linear2")
 
 
-class LayerNorm(layers.Module):
-  """`torch.nn.LayerNorm` with its affine `weight` and `bias` (the token refiner's), in float32."""
-  eps: float = 1e-6
-
-  @nn.compact
-  def __call__(self, x):
-    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-    bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
-    y = layers.layer_norm(x.astype(jnp.float32), self.eps)
-    return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
-
-
 class TokenRefiner(layers.Module):
   """diffusers `HunyuanVideoTokenRefiner` (Tencent's `txt_in`): the LLaMA states projected to the
   inner dim and refined by self-attention blocks over the kept tokens, conditioned on the
@@ -198,13 +186,13 @@ class TokenRefiner(layers.Module):
     for i in range(c.num_refiner_layers):
       prefix = f"individual_token_refiner.blocks.{i}."
       gate_msa, gate_mlp = layers.adaln_chunks(temb, 2, prefix + "adaLN_modulation.1", **kw)
-      h = LayerNorm(name=prefix + "norm1", **kw)(x)
+      h = layers.LayerNorm(name=prefix + "norm1", **kw)(x)
       q, k, v = (t.reshape(*t.shape[:-1], c.num_attention_heads, c.attention_head_dim)
                  for t in layers.projections(h, (prefix + "self_attn_qkv",), (dim,) * 3, **kw))
       attn = layers.merge_heads(layers.attention(q, k, v, mask, self.attention_impl))
       x = x + gate_msa[:, None] * Linear(dim, name=prefix + "self_attn_proj", **kw)(attn)
       h = Linear(int(dim * REFINER_MLP_RATIO), name=prefix + "mlp.fc1", **kw)(
-          LayerNorm(name=prefix + "norm2", **kw)(x))
+          layers.LayerNorm(name=prefix + "norm2", **kw)(x))
       x = x + gate_mlp[:, None] * Linear(dim, name=prefix + "mlp.fc2", **kw)(nn.silu(h))
     return x
 

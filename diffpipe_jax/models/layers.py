@@ -216,6 +216,18 @@ class RMSNorm(Module):
     return (x32 * scale * weight.astype(jnp.float32)).astype(self.dtype)
 
 
+class LayerNorm(Module):
+  """`torch.nn.LayerNorm` over the last axis with its affine `weight` and `bias`, in float32."""
+  eps: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x):
+    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
+    y = layer_norm(x.astype(jnp.float32), self.eps)
+    return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
 def timestep_sinusoids(t, dim=256, max_period=10000.0):
   """diffusers `get_timestep_embedding(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0)`."""
   args = t.astype(jnp.float32)[:, None] * sinusoid_frequencies(dim, max_period)[None]
