@@ -136,7 +136,7 @@ class Saver:
 
   def exports(self, at: Position, state):
     c = self.run.config
-    if at.end_of_epoch and every(at.epoch, c.save_every_n_epochs):
+    if at.due(epochs=c.save_every_n_epochs):
       self.export(f"epoch{at.epoch}", state, at.step)
     if at.due(steps=c.save_every_n_steps, examples=c.save_every_n_examples):
       self.export(f"step{at.step}", state, at.step)

@@ -62,17 +62,11 @@ def sampling_on(config) -> bool:
   return bool(config.sample_prompts) and bool(config.sample_every_n_epochs or config.sample_every_n_steps)
 
 
-def sample_size(config, encoders):
-  """The samples' (frames, height, width), checked before caching: a size the VAE cannot take is
-  said before the hours of caching, not after."""
-  return sampling.checked_size(encoders, *sampling.size(config, encoders.pixel_multiple))
-
-
-def encode_sample_prompts(config, family, encoders):
-  """The sample prompts at the sample size, encoded once (kept in output_dir/.sample_prompts/, beside
-  the runs, for the next run, a resume and the other processes)."""
-  return sampling.encode_prompts(family, encoders, sampling.prompt_lines(config.sample_prompts),
-                                 *sample_size(config, encoders),
+def encode_sample_prompts(config, family, encoders, size):
+  """The sample prompts at the sample `size` (frames, height, width), encoded once (kept in
+  output_dir/.sample_prompts/, beside the runs, for the next run, a resume and the other
+  processes)."""
+  return sampling.encode_prompts(family, encoders, sampling.prompt_lines(config.sample_prompts), *size,
                                  cache_dir=os.path.join(config.output_dir, ".sample_prompts"))
 
 
@@ -212,20 +206,21 @@ def prepare(config, on_exit: contextlib.ExitStack, resume=None, cache_only=False
   if path is not None:
     check_adapter(config, family, path)
   encoders = family_lib.torch_side(family).load_encoders(config.model)
-  if sampling_on(config):
-    sample_size(config, encoders)
+  # the samples' size checked before the hours of caching, not after
+  size = (sampling.checked_size(encoders, *sampling.size(config, encoders.pixel_multiple))
+          if sampling_on(config) else None)
   cached = prompts = None
   if is_main_process:
     cached = cache_datasets(config, family, encoders, regenerate_cache)
-    prompts = encode_sample_prompts(config, family, encoders) if sampling_on(config) else None
+    prompts = encode_sample_prompts(config, family, encoders, size) if size else None
     encoders.release()
   memory.training()  # from here JAX's pool, and PyTorch the rest (samples' decoding)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("datasets cached")
     path = path or tiny.checkpoint_path(config, family)
     cached = cached or cache_datasets(config, family, encoders, regenerate_cache, build=False)
-    if sampling_on(config) and prompts is None:
-      prompts = encode_sample_prompts(config, family, encoders)  # process 0's, read back
+    if size and prompts is None:
+      prompts = encode_sample_prompts(config, family, encoders, size)  # process 0's, read back
   config = data.config_as_run(config, data.dataset_settings(config.dataset))
   accum, eval_accum = config.gradient_accumulation_steps, config.eval_gradient_accumulation_steps
   micro = data.micro_batch_sizes(config.micro_batch_size_per_gpu, config.image_micro_batch_size_per_gpu)
