@@ -297,6 +297,8 @@ def main():
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--peer", default="", help="path of the family's peer (peer_torch_flux.py, "
                  "peer_torch_video.py): run it too, --ckpt 0 and 1")
+  p.add_argument("--peer_ckpt", default="0,1", help="the peer's --ckpt values to run (0: no gradient "
+                 "checkpointing, 1: per block); 1 alone where 0 cannot fit the card")
   p.add_argument("--modes", default=",".join(m for m in MODES if "(" not in m))
   p.add_argument("--layouts", default="1x1", help="(data)x(stage)[x(seq)] meshes, comma-separated: "
                  "1x1,2x1,1x2,1x1x2")
@@ -333,7 +335,7 @@ def main():
           for m, n in zip(modes, swaps) for l in layouts}
   shape = SHAPES[a.model](a)
   peer = {ckpt: sub([sys.executable, a.peer, *shape.peer_args, "--rank", str(a.rank), "--ckpt", str(ckpt)])
-          for ckpt in ((0, 1) if a.peer else ())}
+          for ckpt in (map(int, a.peer_ckpt.split(",")) if a.peer else ())}
   flop = shape.flop
   ran = next((r for r in ours.values() if r != OOM), dict(device="(every run OOM)", jax="-"))
   useful = "" if flop is None else f"; useful {flop / 1e12:.1f} TFLOP/sample"
