@@ -42,14 +42,17 @@ class SingleFile:
   the file's names are ours), a key that identifies the model, the key prefixes of repackaged
   files, the key prefixes of other models the file may also hold (a VAE: never loaded),
   `config(shapes, metadata, axes_dims_rope)`: the model config from the tensor shapes and the
-  file's metadata, and `locations`: where the file lies inside the model's released folder
-  (Tencent's `.pt`), so that the folder itself can be given."""
+  file's metadata, `locations`: where the file lies inside the model's released folder
+  (Tencent's `.pt`), so that the folder itself can be given, and `folder_class`: the
+  `_class_name` of the config.json of a released folder that holds the original names in
+  safetensors shards (Wan-AI's "WanModel"; its config is passed to `config` as the metadata)."""
   rows: Optional[tuple]
   signature: str
   prefixes: tuple
   foreign: tuple
   config: Callable
   locations: tuple = ()
+  folder_class: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
