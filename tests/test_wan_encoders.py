@@ -24,20 +24,6 @@ FAMILY, PIPELINE = "wan", WanPipeline  # (the fixtures of conftest.py)
 LONG = "a slow pan over a red and green pattern " * 14  # past 512 tokens of the character T5
 
 
-# conftest's `pipeline` and `encoders` find the family through models/wan.py and configs/wan.py;
-# until those exist, these give the same (its `pipe` takes this `pipeline`).
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-  return wan.write_tiny_pipeline(str(tmp_path_factory.mktemp("wan")))
-
-
-@pytest.fixture(scope="module")
-def encoders(pipeline):
-  enc = WanEncoders.load(pipeline, device="cpu")
-  yield enc
-  enc.release()
-
-
 def clips(frames, height=32, width=48, batch=2):
   rng = np.random.default_rng(frames)
   return rng.uniform(-1, 1, (batch, frames, height, width, 3)).astype(np.float32)
@@ -202,8 +188,8 @@ def test_every_layout_reads_back_to_the_diffusers_model(variant, tmp_path):
   model = wan.build_tiny(seed=3, **(wan.TINY_I2V if variant == "i2v" else {}))
   want = tiny.state_dict_numpy(model)
   layouts = wan.save_tiny(model, str(tmp_path))
-  assert sorted(layouts) == ["comfyui", "comfyui_fp8", "comfyui_prefixed", "diffusers",
-                             "diffusers_sharded", "original"]
+  assert sorted(layouts) == ["diffusers", "diffusers_sharded", "original", "single_file",
+                             "single_file_prefixed"]
   for name in ("diffusers", "diffusers_sharded"):
     loaded = WanTransformer3DModel.from_pretrained(layouts[name], subfolder="transformer")
     assert_same_tensors(tiny.state_dict_numpy(loaded), want)
@@ -228,20 +214,20 @@ def test_every_layout_reads_back_to_the_diffusers_model(variant, tmp_path):
     config = json.load(f)
   in_dim = wan.TINY_I2V["in_channels"] if variant == "i2v" else wan.TINY_Z
   assert config == {"_class_name": "WanModel", "_diffusers_version": "0.30.0", "dim": 42,
-                    "eps": 1e-6, "ffn_dim": 40, "freq_dim": 16, "in_dim": in_dim,
+                    "eps": 1e-6, "ffn_dim": 64, "freq_dim": 16, "in_dim": in_dim,
                     "model_type": variant, "num_heads": 3, "num_layers": 3, "out_dim": wan.TINY_Z,
                     "text_len": 512}
 
-  comfyui, prefixed = load_file(layouts["comfyui"]), load_file(layouts["comfyui_prefixed"])
+  comfyui, prefixed = load_file(layouts["single_file"]), load_file(layouts["single_file_prefixed"])
   assert_same_tensors(comfyui, original)
   assert_same_tensors(prefixed, {wan.PREFIX + k: v for k, v in original.items()})
   assert_same_tensors(diffusers_names(prefixed), want)
-  for name in ("comfyui", "comfyui_prefixed"):  # as a user loads it, the folder's config given
+  for name in ("single_file", "single_file_prefixed"):  # as a user loads it, the folder's config given
     loaded = WanTransformer3DModel.from_single_file(layouts[name], config=layouts["diffusers"],
                                                     subfolder="transformer")
     assert_same_tensors(tiny.state_dict_numpy(loaded), want)
 
-  fp8 = load_file(layouts["comfyui_fp8"])
+  fp8 = load_file(wan.save_comfyui(model, str(tmp_path / "fp8_e4m3fn.safetensors"), float8=True))
   float8 = {k for k, v in fp8.items() if v.dtype == ml_dtypes.float8_e4m3fn}
   assert float8 == {k for k, v in original.items()
                     if k.startswith("blocks.") and k.endswith(".weight") and v.ndim == 2}
@@ -250,9 +236,3 @@ def test_every_layout_reads_back_to_the_diffusers_model(variant, tmp_path):
              for k, v in original.items()}
   assert_same_tensors(diffusers_names(fp8), diffusers_names(rounded))
   assert_close(diffusers_names(fp8), want, bound=0.05)  # e4m3's 3 mantissa bits: 2^-4 at most
-
-
-def test_a_module_without_an_original_name_is_an_error():
-  with pytest.raises(KeyError, match="condition_embedder.image_embedder.pos_embed has no "
-                     "original Wan name"):
-    wan.original_key("condition_embedder.image_embedder.pos_embed")

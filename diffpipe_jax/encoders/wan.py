@@ -6,7 +6,6 @@ classes and saved in the real on-disk layouts: a diffusers folder, Wan-AI's orig
 import json
 import math
 import os
-import re
 
 import numpy as np
 
@@ -15,6 +14,7 @@ from diffpipe_jax.convert.tensorfile import write_safetensors
 from diffpipe_jax.encoders import Encoders, default_device
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import TorchSide
+from diffpipe_jax.models import wan as wan_model
 
 # WanPipeline's max_sequence_length and Wan's text_len (diffusers' I2V attention assumes it)
 TEXT_TOKENS = 512
@@ -24,8 +24,7 @@ PATCH = (1, 2, 2)  # every released transformer's patch, when the folder has no 
 class WanEncoders(Encoders):
   """Wan: AutoencoderKLWan latents (8x spatial and 4x temporal for 2.1 and the 2.2 A14B, 16x
   spatial for the 2.2 TI2V 5B's VAE; 1 + 4k frames), unpacked; UMT5 last hidden state, zeroed
-  after each prompt's tokens. The VAE runs in float32 (diffusers' advice for Wan, and Wan's own
-  code), the text encoder in `dtype`."""
+  after each prompt's tokens. Both run in `dtype`, as the other families' encoders."""
   components = {"vae": ("vae", "AutoencoderKLWan"),
                 "tokenizer": ("tokenizer", "AutoTokenizer"),
                 "text_encoder": ("umt5", "UMT5EncoderModel")}
@@ -67,10 +66,8 @@ class WanEncoders(Encoders):
     return cls(path, device, dtype, options, frame_rate, vae_config, patch_size)
 
   def load_vae(self):
-    import torch
     from diffusers import AutoencoderKLWan
-    vae = AutoencoderKLWan.from_pretrained(os.path.join(self.path, "vae"),
-                                           torch_dtype=torch.float32)
+    vae = AutoencoderKLWan.from_pretrained(os.path.join(self.path, "vae"), torch_dtype=self.dtype)
     # whole clips in one pass (diffusers' default): tiles are blended at their seams, which
     # changes the latents
     vae.use_tiling = vae.use_slicing = False
@@ -186,12 +183,13 @@ def read_vae_config(folder):
 # Smallest Wan transformer with every structural feature, in non-released dims: an odd head
 # count, a head size (14) whose RoPE axes split unevenly (t 6, h 4, w 4: diffusers gives h and w
 # 2 * (14 // 6) each, t the rest), latent channels of the tiny VAE (9, odd), a text width of
-# the tiny UMT5's, a small timestep frequency width, RoPE tables of 64 positions.
+# the tiny UMT5's, a small timestep frequency width (RoPE's table length stays the released
+# 1024, which single files do not store either). Its single files say their head count in
+# their metadata (`save_comfyui`), since their weights do not show it.
 TINY_Z = 9
 TINY_WAN = dict(patch_size=(1, 2, 2), num_attention_heads=3, attention_head_dim=14,
-                in_channels=TINY_Z, out_channels=TINY_Z, text_dim=20, freq_dim=16, ffn_dim=40,
-                num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
-                rope_max_seq_len=64)
+                in_channels=TINY_Z, out_channels=TINY_Z, text_dim=20, freq_dim=16, ffn_dim=64,
+                num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
 # Wan 2.1 I2V on top: CLIP image features (a width of their own) through the image embedder
 # and the cross-attentions' added key/value projections (of the inner width, as released), and
 # the noisy latents joined by the first-frame mask (4 channels: the VAE's temporal factor) and
@@ -232,56 +230,15 @@ def build_tiny_vae(seed=0, wan22=False):
   return tiny.build(AutoencoderKLWan, seed, **config, **stats)
 
 
-# Wan's original module names -> diffusers' (`convert_wan_transformer_to_diffusers` inverted:
-# tests/test_wan_encoders.py runs that converter on what we write). Top-level modules, then a
-# block's; `modulation` and the head's are parameters, the rest modules with weight and bias.
-# Wan's `norm3` (the affine norm before the cross-attention) is diffusers' `norm2`; Wan's norm1
-# and norm2 and diffusers' norm1 and norm3 have no weights.
-ORIGINAL_TOP = (
-    ("patch_embedding", "patch_embedding"),
-    ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
-    ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
-    ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
-    ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
-    ("time_projection.1", "condition_embedder.time_proj"),
-    ("img_emb.proj.0", "condition_embedder.image_embedder.norm1"),
-    ("img_emb.proj.1", "condition_embedder.image_embedder.ff.net.0.proj"),
-    ("img_emb.proj.3", "condition_embedder.image_embedder.ff.net.2"),
-    ("img_emb.proj.4", "condition_embedder.image_embedder.norm2"),
-    ("head.head", "proj_out"),
-    ("head.modulation", "scale_shift_table"))
-ORIGINAL_BLOCK = (
-    *((f"{ours}_attn.{theirs}", f"{attn}.{diffusers}")
-      for ours, attn in (("self", "attn1"), ("cross", "attn2"))
-      for theirs, diffusers in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"),
-                                ("norm_q", "norm_q"), ("norm_k", "norm_k"))),
-    ("cross_attn.k_img", "attn2.add_k_proj"), ("cross_attn.v_img", "attn2.add_v_proj"),
-    ("cross_attn.norm_k_img", "attn2.norm_added_k"),
-    ("norm3", "norm2"),
-    ("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2"),
-    ("modulation", "scale_shift_table"))
-TO_ORIGINAL_TOP = {diffusers: original for original, diffusers in ORIGINAL_TOP}
-TO_ORIGINAL_BLOCK = {diffusers: original for original, diffusers in ORIGINAL_BLOCK}
 PREFIX = "model.diffusion_model."  # of the transformer in some of ComfyUI's files
 ORIGINAL_STEM = "diffusion_pytorch_model"  # Wan-AI's file names (as a diffusers folder's)
 WAN22_Z = 48  # the 2.2 VAE's latent channels: a transformer of 48 in and out is a TI2V
 
 
-def original_key(key):
-  """A diffusers transformer tensor name -> Wan's original name."""
-  block = re.match(r"(blocks\.\d+\.)(.*)", key)
-  prefix, rest = (block[1], block[2]) if block else ("", key)
-  names = TO_ORIGINAL_BLOCK if block else TO_ORIGINAL_TOP
-  has_leaf = rest.endswith((".weight", ".bias"))
-  module, dot, leaf = rest.rpartition(".") if has_leaf else (rest, "", "")
-  if module not in names:
-    raise KeyError(f"{key} has no original Wan name (a module of a Wan variant not tabled here)")
-  return prefix + names[module] + dot + leaf
-
-
 def original_tensors(model):
-  """The transformer's tensors under Wan's original names (numpy float32)."""
-  return {original_key(k): v for k, v in tiny.state_dict_numpy(model).items()}
+  """The transformer's tensors under Wan's original names (numpy float32), through the
+  family's table (tests/test_wan_encoders.py runs diffusers' own converter on them)."""
+  return wan_model.original_tensors(tiny.state_dict_numpy(model))
 
 
 def original_model_type(config):
@@ -338,29 +295,33 @@ def is_block_linear(key, value):
 
 def save_comfyui(model, path, prefix="", float8=False):
   """Writes ComfyUI's single file: Wan's original names, optionally prefixed; float32, or as
-  its fp8_e4m3fn files: the blocks' Linear weights in float8 e4m3fn (scale 1), the rest bf16."""
+  its fp8_e4m3fn files: the blocks' Linear weights in float8 e4m3fn (scale 1), the rest bf16.
+  A head size other than the released 128 goes into the metadata (`num_heads`), which the
+  loader reads: the weights do not show it (released files need none)."""
   import ml_dtypes
   tensors = original_tensors(model)
   if float8:
     tensors = {k: v.astype(ml_dtypes.float8_e4m3fn if is_block_linear(k, v) else ml_dtypes.bfloat16)
                for k, v in tensors.items()}
-  write_safetensors({prefix + k: v for k, v in tensors.items()}, path)
+  c = model.config
+  metadata = (None if c.attention_head_dim == wan_model.RELEASED_HEAD_DIM
+              else {"num_heads": str(c.num_attention_heads)})
+  write_safetensors({prefix + k: v for k, v in tensors.items()}, path, metadata=metadata)
   return path
 
 
 def save_tiny(model, root, model_type=None) -> dict:
-  """`model` in every layout users download: a diffusers folder (one file, and sharded with an
-  index), Wan-AI's original folder, and ComfyUI's single files (unprefixed, prefixed, and
-  fp8_e4m3fn). `model_type`: the original config's (derived from the channels if not given)."""
+  """`model` in every format `models.load` takes: a diffusers folder (one file, and sharded
+  with an index), Wan-AI's original folder, and ComfyUI's single file (unprefixed, prefixed).
+  `model_type`: the original config's (derived from the channels if not given)."""
   kind = model_type or original_model_type(model.config)
   comfyui = lambda name: os.path.join(root, f"wan2.1_{kind}_tiny_{name}.safetensors")
   return dict(diffusers=tiny.save_diffusers(model, os.path.join(root, "pipeline")),
               diffusers_sharded=tiny.save_diffusers(model, os.path.join(root, "sharded"),
                                                     max_shard_size="100KB"),
               original=save_original(model, os.path.join(root, f"Wan2.1-{kind}-tiny"), kind),
-              comfyui=save_comfyui(model, comfyui("fp32")),
-              comfyui_prefixed=save_comfyui(model, comfyui("comfy_fp32"), PREFIX),
-              comfyui_fp8=save_comfyui(model, comfyui("fp8_e4m3fn"), float8=True))
+              single_file=save_comfyui(model, comfyui("fp32")),
+              single_file_prefixed=save_comfyui(model, comfyui("comfy_fp32"), PREFIX))
 
 
 def write_tiny_pipeline(root, seed=0):

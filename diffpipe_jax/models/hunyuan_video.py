@@ -348,7 +348,7 @@ def training_inputs(model_config, cfg: HunyuanVideoConfig, batch: dict, noisy, t
 
 # HunyuanVideoPipeline's: shift 7, sigmas to 0, distilled guidance 6 (x 1000)
 SAMPLING = Sampling(
-    scheduler=lambda cfg: dict(shift=7.0), to_zero=True, guidance_mode="embedded", steps=50,
+    scheduler=lambda cfg: dict(shift=7.0), spacing="0", guidance_mode="embedded", steps=50,
     guidance=6.0, latent_shape=lambda cfg, grid: (cfg.in_channels, *grid))
 
 

@@ -391,7 +391,7 @@ def condition(model_config, key, batch, noisy, t):
 SAMPLING = Sampling(
     scheduler=lambda cfg: dict(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
                                base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1),
-    to_zero=False, guidance_mode="cfg", steps=50, guidance=3.0,
+    spacing="1/N", guidance_mode="cfg", steps=50, guidance=3.0,
     latent_shape=lambda cfg, grid: (grid[0] * grid[1] * grid[2], cfg.in_channels))
 
 
