@@ -166,3 +166,50 @@ def test_a_folder_of_another_original_model_is_refused(t2v, tmp_path):
   (folder / "config.json").write_text(json.dumps({"_class_name": "HunyuanVideoModel"}))
   with pytest.raises(CheckpointError, match="describes a HunyuanVideoModel"):
     models.load("wan", str(folder), progress=False)
+
+
+@pytest.fixture(scope="module")
+def a14b(tmp_path_factory):
+  """A tiny Wan 2.2 A14B folder: two experts (`transformer` for high noise, `transformer_2` for
+  low) and the boundary in its model_index.json, as WanPipeline saves them."""
+  from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+  root = str(tmp_path_factory.mktemp("a14b"))
+  tokenizer = tiny.t5_tokenizer()
+  WanPipeline(tokenizer=tokenizer, text_encoder=tiny.umt5_encoder(tokenizer, 20), vae=wan_torch.build_tiny_vae(),
+              transformer=wan_torch.build_tiny(seed=5), transformer_2=wan_torch.build_tiny(seed=6),
+              scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), boundary_ratio=0.875).save_pretrained(root)
+  return root
+
+
+def a14b_config(folder, **model):
+  from conftest import family_config
+  config = family_config("wan")
+  config.model.diffusers_path = folder
+  config.model.update(model)
+  return config.model
+
+
+def test_an_a14b_expert_is_one_transformer_on_its_side_of_the_boundary(a14b, tmp_path):
+  """model.expert picks the folder's transformer and the timesteps it serves in WanPipeline
+  (t >= boundary_ratio for the high-noise one), whatever the drawn t; min_t/max_t on the
+  expert's side are kept as the range, across it refused; no expert for an A14B folder, or one
+  for another folder, is refused."""
+  high, low = (a14b_config(a14b, expert=e) for e in ("high_noise", "low_noise"))
+  assert wan.checkpoint_path(high) == os.path.join(a14b, "transformer")
+  assert wan.checkpoint_path(low) == os.path.join(a14b, "transformer_2")
+  t = jnp.linspace(0.0, 1.0, 11)
+  np.testing.assert_allclose(wan.shift_timesteps(high, t, None), 0.875 + 0.125 * t, rtol=1e-6)
+  np.testing.assert_allclose(wan.shift_timesteps(low, t, None), 0.875 * t, rtol=1e-6)
+  shifted = a14b_config(a14b, expert="low_noise", shift=3.0)
+  np.testing.assert_allclose(wan.shift_timesteps(shifted, t, None), 0.875 * (3 * t / (1 + 2 * t)), rtol=1e-6)
+  own = a14b_config(a14b, expert="high_noise", min_t=0.9, max_t=1.0)
+  np.testing.assert_allclose(wan.shift_timesteps(own, t, None), t, rtol=1e-6)  # the range is applied before
+  with pytest.raises(UserError, match=r"trains the timesteps \[0.875, 1.0\] .* min_t/max_t = \[0.5, 1.0\]"):
+    wan.checkpoint_path(a14b_config(a14b, expert="high_noise", min_t=0.5))
+  with pytest.raises(UserError, match="holds Wan 2.2 A14B's two experts .* set model.expert"):
+    wan.checkpoint_path(a14b_config(a14b))
+  with pytest.raises(UserError, match="is no Wan 2.2 A14B folder"):
+    wan.checkpoint_path(a14b_config(str(tmp_path), expert="low_noise"))
+  model = models.load("wan", wan.checkpoint_path(low), progress=False)
+  inputs = wan.random_inputs(model.config, 1, 1, 2, 2, seed=3)
+  assert_close(model(**inputs), torch_forward(wan_torch.build_tiny(seed=6), inputs))

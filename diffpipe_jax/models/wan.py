@@ -19,6 +19,8 @@ single files use ours. `FAMILY`, at the end, is what the trainer knows of it.
 """
 import dataclasses
 import functools
+import json
+import os
 from typing import Optional, Tuple
 
 import flax.linen as nn
@@ -32,7 +34,7 @@ from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import Family, Sampling, SingleFile, config_dataclass
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
-from diffpipe_jax.rules import TEXT, Key, number
+from diffpipe_jax.rules import TEXT, Key, choice, number
 
 TIMESTEP_SCALE = 1000.0  # the model takes sigma * 1000, as WanPipeline passes it
 ROPE_THETA = 10000.0
@@ -349,19 +351,72 @@ def random_batch(cfg: WanConfig, batch=1, frames=2, height=2, width=3, txt_len=6
 # ---- training ------------------------------------------------------------------------------------
 
 
+EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}  # an A14B folder's
+
+
 def checkpoint_path(model_config) -> str:
   """`model.transformer_path` (ComfyUI's file), else `model.ckpt_path` (Wan-AI's folder), else
-  `model.diffusers_path`."""
+  `model.diffusers_path`: a Wan 2.2 A14B folder's expert (`model.expert`)."""
   path = model_config.transformer_path or model_config.ckpt_path or model_config.diffusers_path
   if not path:
     raise UserError("set --config.model.diffusers_path, --config.model.ckpt_path (Wan-AI's "
                     "folder) or --config.model.transformer_path (or run the embedded default: "
                     "--config configs/wan.py:tiny)")
-  return path
+  if path != model_config.diffusers_path:
+    if model_config.expert:
+      raise UserError(f"model.expert={model_config.expert!r} picks an expert of a diffusers Wan "
+                      "2.2 A14B folder (model.diffusers_path); for a file or Wan-AI's folder give "
+                      "that expert's own and its side of the boundary as min_t/max_t")
+    return path
+  boundary = expert_boundary(path)
+  if boundary is not None and not model_config.expert:
+    raise UserError(f"{path} holds Wan 2.2 A14B's two experts (boundary_ratio {boundary}): set "
+                    f"model.expert to one of {list(EXPERTS)} (one expert a run)")
+  if boundary is None and model_config.expert:
+    raise UserError(f"model.expert={model_config.expert!r}, but {path} is no Wan 2.2 A14B folder "
+                    "(its model_index.json has no boundary_ratio): leave model.expert empty")
+  if not model_config.expert:
+    return path
+  expert_range(model_config)  # min_t/max_t against the expert's side: said before anything loads
+  return os.path.join(path, EXPERTS[model_config.expert])
+
+
+@functools.lru_cache(maxsize=None)
+def expert_boundary(folder: str) -> Optional[float]:
+  """The `boundary_ratio` of a diffusers Wan folder's model_index.json (an A14B's: the high-noise
+  expert takes t >= it, the low-noise one the rest), or None."""
+  index = os.path.join(folder, "model_index.json")
+  if not os.path.isfile(index):
+    return None
+  with open(index) as f:
+    return json.load(f).get("boundary_ratio")
+
+
+def expert_range(model_config) -> Optional[Tuple[float, float]]:
+  """The timesteps (after the shift) that `model.expert` trains: its side of the boundary; None
+  without an expert. min_t and max_t set too (not 0 and 1) must lie on that side, shifted:
+  then they are the range, as diffusion-pipe takes them."""
+  if not model_config.expert:
+    return None
+  b = expert_boundary(model_config.diffusers_path)
+  side = (b, 1.0) if model_config.expert == "high_noise" else (0.0, b)
+  given = (model_config.min_t, model_config.max_t)
+  if given == (0.0, 1.0):
+    return side
+  shifted = tuple(float(flow.shift_timesteps(t, model_config.shift)) for t in given)
+  if not side[0] - 1e-6 <= shifted[0] <= shifted[1] <= side[1] + 1e-6:
+    raise UserError(f"model.expert={model_config.expert!r} trains the timesteps {list(side)} of "
+                    f"the boundary {b}, but min_t/max_t = {list(given)} (shifted: "
+                    f"{[round(t, 4) for t in shifted]}) reach beyond it: leave min_t and max_t at 0 "
+                    "and 1, or keep them on the expert's side")
+  return None  # the user's own range, already applied
 
 
 def shift_timesteps(model_config, t, latents):
-  return flow.shift_timesteps(t, model_config.shift)
+  """The shift, then, for a Wan 2.2 A14B expert, its side of the boundary (`expert_range`)."""
+  t = flow.shift_timesteps(t, model_config.shift)
+  side = expert_range(model_config)
+  return t if side is None else side[0] + (side[1] - side[0]) * t
 
 
 def training_inputs(model_config, cfg: WanConfig, batch: dict, noisy, t) -> dict:
@@ -399,6 +454,10 @@ FAMILY = Family(
         transformer_path=Key(
             "", TEXT, "or ComfyUI's transformer (bf16 or fp8_e4m3fn .safetensors); wins over "
             "the folders"),
+        expert=Key(
+            "", choice("", *EXPERTS),
+            "Wan 2.2 A14B (a diffusers folder of two experts): the one this run trains, on its "
+            "side of the folder's boundary_ratio (high_noise: t >= it; low_noise: below)"),
         frame_rate=Key(
             16, number(0, above=True),
             "videos are decoded at this many frames per second (Wan 2.1: 16; 2.2 TI2V 5B: 24)")),
