@@ -159,23 +159,23 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
   mesh = sharding.make_mesh(stages, devices, seq)
   if seq > 1:
     jax.set_mesh(mesh)  # what this process (one run) traces splits its tokens (`sequence.parallel`)
-  layout = sharding.make_layout(mesh, family.stacks(shape.cfg),
-                                a.microbatches, int(blocks_to_swap), MODES[mode].get("unrolled", False),
-                                **({"tick_overhead": a.tick_overhead} if a.tick_overhead else {}))
-  if layout.plan:
-    print(layout.plan.describe(), file=sys.stderr)
-  model = models.init_random(a.model, shape.cfg, jax.random.key(0), dtype=dtype, layout=layout,
-                             transformer_dtype=MODES[mode]["transformer_dtype"],
-                             runtime=runtime.Runtime.of(layout, MODES[mode]["remat"]))
+  placement = sharding.make_placement(mesh, family.stacks(shape.cfg), a.microbatches,
+                                      int(blocks_to_swap), MODES[mode].get("unrolled", False),
+                                      **({"tick_overhead": a.tick_overhead} if a.tick_overhead else {}))
+  if placement.plan:
+    print(placement.plan.describe(), file=sys.stderr)
+  model = models.init_random(a.model, shape.cfg, jax.random.key(0), dtype=dtype,
+                             placement=placement, transformer_dtype=MODES[mode]["transformer_dtype"],
+                             runtime=runtime.Runtime.of(placement, MODES[mode]["remat"]))
   tx, _ = optim.make(config, 1000)
-  state = layout.create(functools.partial(
+  state = placement.create(functools.partial(
       training_step.init_state, layer_params=models.abstract_params(family, model.module, shape.cfg),
       config=config, tx=tx, family=family), jax.random.key(1))
   samples = data * a.microbatches * a.batch  # `batch` a microbatch and data-parallel replica
   batch = jax.tree.map(lambda x: x.reshape(a.microbatches, data * a.batch, *x.shape[1:]),
                        as_cached(shape.batch(samples), dtype))
-  batches = sharding.global_batch(layout.mesh, batch)
-  step = training_step.make_step(model, config, tx, layout)
+  batches = sharding.global_batch(placement.mesh, batch)
+  step = training_step.make_step(model, config, tx, placement)
   memory = lambda key: max((d.memory_stats() or {}).get(key, 0) for d in devices) / 2**30
   resident = memory("bytes_in_use")  # weights + state, per GPU
   t0 = time.perf_counter()
@@ -206,7 +206,7 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
   return dict(step_s=step_s, samples_per_s=samples / step_s, compile_s=compile_s,
               peak_gib=memory("peak_bytes_in_use"), step_peak_gib=step_peak, resident_gib=resident,
               loss=float(m["loss"]),
-              bubble=layout.plan.bubble() if layout.plan else 0.0,
+              bubble=placement.plan.bubble() if placement.plan else 0.0,
               device=devices[0].device_kind, jax=jax.__version__)
 
 

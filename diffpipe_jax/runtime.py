@@ -7,7 +7,7 @@ from a context while a function is traced), and how a function is compiled and d
 (one jitted program, or programs per block over unrolled layers: `programs`).
 
 `REMAT_POLICIES` names the rematerialisation policies (`activation_checkpointing`);
-`unrolled_for` decides whether a run's layers are unrolled (which the layout also stores).
+`unrolled_for` decides whether a run's layers are unrolled (which the placement also stores).
 Nothing here knows a model family.
 """
 import contextvars
@@ -78,7 +78,7 @@ def kernels_in_place() -> bool:
 @dataclasses.dataclass(frozen=True)
 class Runtime:
   """How a model runs: `remat`, a `REMAT_POLICIES` key; `unrolled`, the blocks unrolled (their
-  weights stored per layer: the layout's `unrolled`) rather than scanned; `pipeline`, a
+  weights stored per layer: the placement's `unrolled`) rather than scanned; `pipeline`, a
   `sharding.pipeline.Pipeline` over the mesh's stages (None: one stage)."""
   remat: str = "none"
   unrolled: bool = False
@@ -88,9 +88,9 @@ class Runtime:
     remat_policy(self.remat, self.unrolled, self.pipeline is not None)
 
   @classmethod
-  def of(cls, layout, remat: str = "none") -> "Runtime":
-    """The runtime of a `sharding.Layout`'s placement (its unrolled layers, its pipeline)."""
-    return cls(remat, layout.unrolled, layout.pipeline)
+  def of(cls, placement, remat: str = "none") -> "Runtime":
+    """The runtime of a `sharding.Placement` (its unrolled layers, its pipeline)."""
+    return cls(remat, placement.unrolled, placement.pipeline)
 
   @property
   def kernels_in_place(self) -> bool:

@@ -197,7 +197,7 @@ def run_scanned(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=
   policy `remat` (None: no rematerialisation). The stacked weights are the scan's xs, which the
   backward pass reads in place."""
   assert not any(map(is_layer_arrays, jax.tree.leaves(stack.params, is_leaf=is_layer_arrays))), (
-      "weights stored per layer (the unrolled layout) run unrolled: unrolled=True")
+      "weights in the per-layer form run unrolled: unrolled=True")
   apply = lambda x, params, lora, i: apply_block(stack.block, x, params, lora, args, key, i)
   run = apply if remat is None else jax.checkpoint(apply, prevent_cse=False, policy=remat)
   layer = lambda x, xs: (run(x, *xs), None)

@@ -36,7 +36,7 @@ from diffpipe_jax import family as family_lib  # noqa: E402
 # `build_tiny` and `save_tiny`), so a new family gets them by registering.
 FAMILIES = family_lib.names()
 # The trainer's machinery around the step (signals, several processes, a resume's refusals,
-# config errors, a diverging run, restoring into swapped or unrolled data-parallel layouts) is
+# config errors, a diverging run, restoring into swapped or unrolled data-parallel placements) is
 # the same code for every family: it is tested on one, the tiny model with videos and images
 # that compiles fastest. What a family's model changes (its stacks over stages, swapped blocks,
 # its export) is tested for every family.

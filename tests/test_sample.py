@@ -146,9 +146,10 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
   assert len(step_args[0]) == marked(jax.make_jaxpr(forward)(params)) > 0  # a value a mark
   assert marked(steps.step.trace(*step_args).jaxpr) == 0
 
-  layout = sharding.make_layout(sharding.make_mesh(1, jax.devices()[:1]), fam.stacks(cfg), 1,
-                                unrolled=True)
-  unrolled = models.load(name, path, runtime=runtime.Runtime.of(layout), layout=layout, progress=False)
+  placement = sharding.make_placement(sharding.make_mesh(1, jax.devices()[:1]), fam.stacks(cfg), 1,
+                                      unrolled=True)
+  unrolled = models.load(name, path, runtime=runtime.Runtime.of(placement), placement=placement,
+                         progress=False)
   split = sampling.step_fn(unrolled, model_config, 4.0)
   assert_close(draw(unrolled, sampling.Steps(record(split.ahead), record(split.step))), latents)
   # ... whose layers still share their stack's program
