@@ -35,7 +35,7 @@ def test_every_placement_matches_one_device(tiny_models, name):
   extra = {MACHINERY_FAMILY: ",8x1u,1x1x8u", "flux": ",1x1x2"}.get(name, "")
   placements = f"2x1,{TWO_STAGES.get(name, '1x2')},1x8,1x1x4,2x2x2{extra}"
   out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "multidevice_check.py"), name,
-                        tiny_models(name)["layouts"]["diffusers"], placements],
+                        tiny_models(name)["formats"]["diffusers"], placements],
                        env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True)
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout

@@ -90,8 +90,8 @@ def trained_adapter(model, config, steps, samples=2):
 
 @pytest.fixture
 def loaded(tiny_model):
-  """(its tiny torch model, ours loaded from its diffusers layout, that path)."""
-  path = tiny_model["layouts"]["diffusers"]
+  """(its tiny torch model, ours loaded from its diffusers folder, that path)."""
+  path = tiny_model["formats"]["diffusers"]
   return tiny_model["torch"], models.load(tiny_model["family"].type, path, progress=False), path
 
 
@@ -545,7 +545,7 @@ def test_the_unrolled_step_reads_the_lora_in_the_compute_dtype(tiny_models, name
   """Unrolled, the step's programs read the LoRA converted once to the compute dtype (by the
   update that made it): the same loss and gradient as from the float32 LoRA, and two steps
   equal the updates applied by hand to the float32 LoRA's gradients."""
-  fam, path = family_lib.get(name), tiny_models(name)["layouts"]["diffusers"]
+  fam, path = family_lib.get(name), tiny_models(name)["formats"]["diffusers"]
   placement = sharding.make_placement(sharding.make_mesh(1), fam.stacks(models.checkpoint_config(
       fam.type, path)), 1, unrolled=True)
   model = models.load(fam.type, path, dtype=jnp.bfloat16, runtime=runtime.Runtime.of(placement),

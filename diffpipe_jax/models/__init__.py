@@ -1,5 +1,5 @@
 """The public entry point `load(model_type, path, dtype=...)`: a model of any registered family
-(`diffpipe_jax.family`) from any of its checkpoint layouts, or of random weights (`init_random`).
+(`diffpipe_jax.family`) from any of its checkpoint formats, or of random weights (`init_random`).
 """
 import dataclasses
 import functools
