@@ -50,7 +50,7 @@ def test_video_step_benchmark_smoke(tmp_path, model, title):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   (tmp_path / "peer.py").write_text(VIDEO_PEER)
   out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--model",
-                        model, "--smoke", "--modes", "per-block remat", "--layouts", "1x1,1x2",
+                        model, "--smoke", "--modes", "per-block remat", "--meshes", "1x1,1x2",
                         "--peer", str(tmp_path / "peer.py")],
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
   assert out.startswith(title), out
@@ -64,7 +64,7 @@ def test_video_step_benchmark_smoke(tmp_path, model, title):
 def test_flux_step_benchmark_smoke(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--smoke",
-                        "--modes", "per-block remat,fp8 base + per-block remat", "--layouts", "1x1,2x2",
+                        "--modes", "per-block remat,fp8 base + per-block remat", "--meshes", "1x1,2x2",
                         "--microbatches", "2", "--profile", str(tmp_path)],
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
   rows = [line for line in out.splitlines() if line.startswith("| ") and "diffpipe-jax" in line]
@@ -93,7 +93,7 @@ def test_flux_step_benchmark_smoke_of_split_and_swapped_steps(tmp_path):
 
 
 def test_flux_step_table_of_runs_out_of_memory(tmp_path):
-  """A run that dies of XLA's RESOURCE_EXHAUSTED is an OOM row, and the row of a layout whose 1x1
+  """A run that dies of XLA's RESOURCE_EXHAUSTED is an OOM row, and the row of a mesh whose 1x1
   run it was has no speed-up; a run that fails otherwise still stops the benchmark."""
   (tmp_path / "oom.py").write_text('raise SystemExit("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: '
                                    'Out of memory while trying to allocate 25769803776 bytes.")')
