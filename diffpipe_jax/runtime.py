@@ -136,11 +136,11 @@ class Runtime:
 
   def compile(self, fn, jit_options=None):
     """fn as one jitted program; or, with the layers unrolled, as programs per block, which also
-    copy swapped layers' weights to the device (`programs.split`: one program of every unrolled
+    copy swapped layers' weights to the device (`programs.per_block`: one program of every unrolled
     layer would take minutes to compile at full size). Jitted with `jit_options` (None: jit's
     defaults; the programs' `programs.JIT_OPTIONS`)."""
     if self.unrolled:
-      return programs.split(fn, programs.JIT_OPTIONS if jit_options is None else jit_options)
+      return programs.per_block(fn, programs.JIT_OPTIONS if jit_options is None else jit_options)
     return jax.jit(fn, **(jit_options or {}))
 
   def value_and_grad(self, fn, jit_options=programs.JIT_OPTIONS):

@@ -73,7 +73,7 @@ def test_flux_step_benchmark_smoke(tmp_path):
   assert len(glob.glob(str(tmp_path / "**" / "*.trace.json.gz"), recursive=True)) == 4
 
 
-def test_flux_step_benchmark_smoke_of_split_and_swapped_steps(tmp_path):
+def test_flux_step_benchmark_smoke_of_unrolled_and_swapped_steps(tmp_path):
   """The unrolled mode (its step split into programs per block), blocks_to_swap per mode, and a
   peer that runs out of memory: an OOM row, the rest of the table, `-` where nothing applies."""
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -150,8 +150,8 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
                                       unrolled=True)
   unrolled = models.load(name, path, runtime=runtime.Runtime.of(placement), placement=placement,
                          progress=False)
-  split = sampling.step_fn(unrolled, model_config, 4.0)
-  assert_close(draw(unrolled, sampling.Steps(record(split.ahead), record(split.step))), latents)
+  per_block = sampling.step_fn(unrolled, model_config, 4.0)
+  assert_close(draw(unrolled, sampling.Steps(record(per_block.ahead), record(per_block.step))), latents)
   # ... whose layers still share their stack's program
   forward = lambda p: unrolled.runtime.apply(unrolled.module, {"params": p}, **fam.training_inputs(
       model_config, cfg, rows, latents_of_rows, jnp.ones(len(latents_of_rows))))

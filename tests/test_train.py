@@ -516,7 +516,7 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(loaded):
                         progress=False)
       args = (unrolled.to_stages(adapter), run.params, *inputs)
       loss, g = training_step.grad_fn(run, config)(*args)
-      results["split", False] = loss, unrolled.to_layers(g)
+      results["per block", False] = loss, unrolled.to_layers(g)
       # the unrolled layers jitted whole, one program of every layer
       loss_and_grad = jax.value_and_grad(functools.partial(training_step.loss_fn, model=run, config=config))
       grads = lambda adapter, params, batches, keys: loss_and_grad(

@@ -23,7 +23,7 @@ from diffpipe_jax import axes
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 from diffpipe_jax.stacks import (SWAP_NEEDS_ONE_STAGE, LayerArrays, Swapped, layer_bytes, pack_layers,
-                                 restack, split_layers, swap_positions, unstack)
+                                 restack, swap_layers, swap_positions, unstack)
 
 # The state's entries that stay stacked in the per-layer form: the update, one program, reads it
 # whole, and per-layer arrays would make that call thousands of arrays long, each costing host
@@ -137,8 +137,8 @@ class Placement:
                                for i, a in enumerate(unstack(weight).arrays)))
     if not layers:
       return weight
-    split = split_layers(weight, layers)
-    return Swapped(split.device, jax.device_put(split.pinned_host, self.host_memory))
+    swapped = swap_layers(weight, layers)
+    return Swapped(swapped.device, jax.device_put(swapped.pinned_host, self.host_memory))
 
   def pack(self, params):
     """The placed frozen weights with each swapped stack's weights (`settle`d) in their final
