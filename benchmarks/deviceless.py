@@ -175,7 +175,7 @@ class Program:
 
 def _abstract_model(a, device, remat):
   """(the family's model at the shape, unrolled, its weights ShapeDtypeStructs, the family's
-  training config, the abstract weights in the plain layer layout, the layout)."""
+  training config, the abstract weights in the stacked form, the placement)."""
   import importlib
   import jax
   import jax.numpy as jnp
@@ -187,12 +187,13 @@ def _abstract_model(a, device, remat):
   config.adapter.rank = a.rank
   module = models.make_module(family, shape.cfg, jnp.float32 if a.smoke else jnp.bfloat16, None,
                               None if a.smoke else "cudnn")
-  layout = sharding.make_layout(sharding.make_mesh(1, [device]), family.stacks(shape.cfg), 1, unrolled=True)
+  placement = sharding.make_placement(sharding.make_mesh(1, [device]), family.stacks(shape.cfg), 1,
+                                      unrolled=True)
   abstract = models.abstract_params(family, module, shape.cfg)
   params = jax.eval_shape(lambda p: table.unflatten(
-      {path: layout.settle(path, w) for path, w in table.flatten(p).items()}), abstract)
-  model = models.Model(family, shape.cfg, module, params, runtime.Runtime.of(layout, remat))
-  return model, config, abstract, layout
+      {path: placement.settle(path, w) for path, w in table.flatten(p).items()}), abstract)
+  model = models.Model(family, shape.cfg, module, params, runtime.Runtime.of(placement, remat))
+  return model, config, abstract, placement
 
 
 def training_step(a, device):
@@ -200,11 +201,11 @@ def training_step(a, device):
   import jax
   from diffpipe_jax import lora, optim, training_step
 
-  model, config, abstract, layout = _abstract_model(a, device, a.remat)
+  model, config, abstract, placement = _abstract_model(a, device, a.remat)
   tx, _ = optim.make(config, 1000)
   adapter = jax.eval_shape(lambda key: training_step.init_state(
       key, layer_params=abstract, config=config, tx=tx, family=model.family)["lora"], jax.random.key(0))
-  adapter = jax.eval_shape(lambda a_: lora.in_dtype(layout.to_stages(a_), model.module.dtype), adapter)
+  adapter = jax.eval_shape(lambda a_: lora.in_dtype(placement.to_stages(a_), model.module.dtype), adapter)
   batch = train_step.as_cached(train_step.SHAPES[a.model](a).batch(1), model.module.dtype)
   keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 1))
   grads = training_step.grad_fn(model, config, jit_options={})  # (options: at compile)

@@ -5,7 +5,7 @@ process timed from outside (wall time, peak host memory, the GPU's peak memory a
 sees the whole process) and from the run's own record (each step's TensorBoard wall time). Then
 `train_step.py` for the same shape and mode, the bare step, to compare the loop with. One table.
 
-  python benchmarks/full_size.py --family flux --layout diffusers --out /root/models/flux
+  python benchmarks/full_size.py --family flux --format diffusers --out /root/models/flux
   python benchmarks/full_size.py --dataset --out /root/data
   python benchmarks/full_job.py --family flux --models /root/models/flux --data /root/data \
       --card 80 --out $OUT/flux80           # the recipe for the card (80: the lent card as it is)
@@ -33,12 +33,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each family's README recipe per card (the keys a user sets on the command line): its model
-# files per layout (`layouts`, the model keys of the folder given to --models: full_size.py's
-# layout of that name; the first is the default), its data (full_size.py
+# files per format (`formats`, the model keys of the folder given to --models: full_size.py's
+# format of that name; the first is the default), its data (full_size.py
 # --dataset's folder) and the shape of its buckets (`dataset`), the bare step's shape and mode.
 RECIPES = {
     "flux": dict(
-        config="flux", data="images", layouts=dict(diffusers=lambda m: dict(diffusers_path=m)),
+        config="flux", data="images", formats=dict(diffusers=lambda m: dict(diffusers_path=m)),
         single_file="model.transformer_path",
         # three aspect-ratio buckets near 1024x1024 pixels: three shapes to compile, as a user's
         # mixed-aspect set gives
@@ -48,7 +48,7 @@ RECIPES = {
                "24": dict(overrides={"model.transformer_dtype": "float8", "blocks_to_swap": 4},
                           modes="fp8 base + per-block remat (unrolled)", swap=4)}),
     "ltx-video": dict(  # 768x512x121 (the clips shorter than 121 frames are skipped)
-        config="ltx_video", data="videos", layouts=dict(diffusers=lambda m: dict(diffusers_path=m)),
+        config="ltx_video", data="videos", formats=dict(diffusers=lambda m: dict(diffusers_path=m)),
         single_file="model.single_file_path",
         dataset={"dataset.resolutions": "(627,)", "dataset.min_ar": 1.5, "dataset.max_ar": 1.5,
                  "dataset.num_ar_buckets": 1, "dataset.frame_buckets": "(1, 121)"},
@@ -56,7 +56,7 @@ RECIPES = {
         cards={"80": dict(overrides={}, modes="per-block remat", swap=0),
                "24": dict(overrides={}, modes="per-block remat", swap=0)}),
     "hunyuan-video": dict(  # ComfyUI's files, as diffusion-pipe's example names them; 512x512x33
-        config="hunyuan_video", data="videos", layouts=dict(
+        config="hunyuan_video", data="videos", formats=dict(
             comfyui=lambda m: dict(
                 transformer_path=f"{m}/hunyuan_video_720_cfgdistill_fp8_e4m3fn.safetensors",
                 vae_path=f"{m}/hunyuan_video_vae_bf16.safetensors",
@@ -76,12 +76,12 @@ PROMPTS = ("a photograph of a red cube on a wooden table, morning light",
            "a watercolour of a lighthouse at dusk")
 
 
-def user_config(path, family, models, data, layout=None):
+def user_config(path, family, models, data, format=None):
   """A config file as a user writes one: the family's config with their folders (`models` in
-  `layout`, by default the recipe's first), an eval set and sample prompts (eval_datasets entries
+  `format`, by default the recipe's first), an eval set and sample prompts (eval_datasets entries
   cannot be added by --config overrides)."""
   recipe = RECIPES[family]
-  model_keys = recipe["layouts"][layout or next(iter(recipe["layouts"]))](models)
+  model_keys = recipe["formats"][format or next(iter(recipe["formats"]))](models)
   with open(path, "w") as f:
     f.write(textwrap.dedent(f'''\
         from diffpipe_jax.configs import {recipe["config"]} as family
@@ -210,8 +210,8 @@ PHASES = ("cache", "cache_again", "train", "resume", "sample_command", "train_st
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--family", choices=sorted(RECIPES), default="flux")
-  p.add_argument("--models", help="the family's folder (full_size.py's layout)")
-  p.add_argument("--layout", default=None, help="the folder's layout (full_size.py --layout), if "
+  p.add_argument("--models", help="the family's folder (full_size.py's format)")
+  p.add_argument("--format", default=None, help="the folder's format (full_size.py --format), if "
                  "not the recipe's first (HunyuanVideo: comfyui or official)")
   p.add_argument("--single_file", default="", help="the family's single file (Flux: "
                  "model.transformer_path; LTX-Video: model.single_file_path)")
@@ -245,7 +245,7 @@ def main():
   if a.smoke:
     config_arg, keys = f"configs/{recipe['config']}.py:tiny", {"epochs": a.epochs}
   else:
-    user_config(config, a.family, a.models, a.data, a.layout)
+    user_config(config, a.family, a.models, a.data, a.format)
     config_arg, keys = config, dict(recipe["dataset"], epochs=a.epochs, **card["overrides"])
     if a.single_file:
       keys[recipe["single_file"]] = a.single_file

@@ -1,13 +1,13 @@
-"""Full-size checkpoints of random weights in the layouts users download, and a dataset of real
+"""Full-size checkpoints of random weights in the formats users download, and a dataset of real
 media files, for running the whole job at full size on a GPU machine that reaches no model hub
-(issue 51). It runs there (16 cores, 64 GiB of disk: write one layout at a time):
+(issue 51). It runs there (16 cores, 64 GiB of disk: write one format at a time):
 
-  python benchmarks/full_size.py --family flux --layout diffusers --out /data/FLUX.1-dev
-  python benchmarks/full_size.py --family flux --layout single_file --out /data/flux
-  python benchmarks/full_size.py --family ltx-video --layout diffusers --out /data/LTX-Video
-  python benchmarks/full_size.py --family ltx-video --layout single_file --out /data/ltx
-  python benchmarks/full_size.py --family hunyuan-video --layout comfyui --out /data/hunyuan
-  python benchmarks/full_size.py --family hunyuan-video --layout official --out /data/hunyuan/ckpts
+  python benchmarks/full_size.py --family flux --format diffusers --out /data/FLUX.1-dev
+  python benchmarks/full_size.py --family flux --format single_file --out /data/flux
+  python benchmarks/full_size.py --family ltx-video --format diffusers --out /data/LTX-Video
+  python benchmarks/full_size.py --family ltx-video --format single_file --out /data/ltx
+  python benchmarks/full_size.py --family hunyuan-video --format comfyui --out /data/hunyuan
+  python benchmarks/full_size.py --family hunyuan-video --format official --out /data/hunyuan/ckpts
   python benchmarks/full_size.py --dataset --out /data/media
 
 Disk at full size (`--dry-run` lists every weight file's bytes and writes nothing):
@@ -99,7 +99,7 @@ RELEASED = dict(
         dropout_rate=0.1, layer_norm_epsilon=1e-6, initializer_factor=1.0,
         feed_forward_proj="gated-gelu", is_encoder_decoder=True, use_cache=True, pad_token_id=0,
         eos_token_id=1, decoder_start_token_id=0, tie_word_embeddings=False, classifier_dropout=0.0),
-    # Lightricks/LTX-Video (0.9.1, diffusers layout) transformer/config.json
+    # Lightricks/LTX-Video (0.9.1, diffusers format) transformer/config.json
     ltx_transformer=dict(
         in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
         attention_head_dim=64, cross_attention_dim=2048, num_layers=28,
@@ -438,7 +438,7 @@ def aligned_record(name: str, size: int, offset: int) -> zipfile.ZipInfo:
 
 
 def write_torch(path: str, file: WeightFile, pools: Pools):
-  """torch.save's zip layout written a tensor at a time (torch.save needs them all in memory);
+  """torch.save's zip format written a tensor at a time (torch.save needs them all in memory);
   `torch.load(..., weights_only=True)` reads it, memory-mapped or not."""
   storages = [_Storage(str(i), t) for i, t in enumerate(file.tensors)]
   state = collections.OrderedDict((s.tensor.name, _TensorReference(s)) for s in storages)
@@ -467,13 +467,13 @@ def write_weight_file(out: str, file: WeightFile, pools: Pools) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
-# Components and layouts.
+# Components and formats.
 # ------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
 class Plan:
-  """What a layout writes: weight files, and small files (configs, indexes, tokenizers) as
+  """What a format writes: weight files, and small files (configs, indexes, tokenizers) as
   (path under the output folder, write(full path))."""
   weights: List[WeightFile] = dataclasses.field(default_factory=list)
   small: List[Tuple[str, Callable[[str], None]]] = dataclasses.field(default_factory=list)
@@ -618,7 +618,7 @@ def ltx_models(shrink: bool):
 
 
 def ltx_diffusers(shrink: bool) -> Plan:
-  """LTX-Video 2B 0.9.1 in the diffusers layout (every component bf16)."""
+  """LTX-Video 2B 0.9.1 in the diffusers format (every component bf16)."""
   transformer, vae = ltx_models(shrink)
   released = ltx_video.SAMPLING.scheduler(ltx_video.LTXVideoConfig())
   components = dict(scheduler=scheduler(released), vae=vae, text_encoder=t5_xxl(shrink),
@@ -705,7 +705,7 @@ def hunyuan_official(shrink: bool) -> Plan:
           + llama_folder("text_encoder", shrink) + clip_folder("text_encoder_2", shrink))
 
 
-LAYOUTS = {
+FORMATS = {
     "flux": dict(diffusers=flux_diffusers, single_file=flux_single_file),
     "ltx-video": dict(diffusers=ltx_diffusers, single_file=ltx_single_file),
     "hunyuan-video": dict(comfyui=hunyuan_comfyui, official=hunyuan_official),
@@ -895,8 +895,8 @@ def write_dataset(out: str, shrink: bool = False, workers: Optional[int] = None)
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--family", choices=sorted(LAYOUTS))
-  parser.add_argument("--layout", help="diffusers or single_file (flux, ltx-video); "
+  parser.add_argument("--family", choices=sorted(FORMATS))
+  parser.add_argument("--format", help="diffusers or single_file (flux, ltx-video); "
                                        "comfyui or official (hunyuan-video)")
   parser.add_argument("--dataset", action="store_true", help="write the media dataset instead")
   parser.add_argument("--out", required=True, help="the folder to write into")
@@ -913,11 +913,11 @@ def main(argv=None):
     else:
       write_dataset(args.out, args.shrink)
     return
-  layouts = LAYOUTS.get(args.family, {})
-  if args.layout not in layouts:
-    parser.error(f"--family {args.family} takes --layout {' or '.join(layouts) or '(a family first)'}")
-  plan = layouts[args.layout](args.shrink)
-  print(f"{args.family} {args.layout}{' (shrunk)' if args.shrink else ''} -> {args.out}")
+  formats = FORMATS.get(args.family, {})
+  if args.format not in formats:
+    parser.error(f"--family {args.family} takes --format {' or '.join(formats) or '(a family first)'}")
+  plan = formats[args.format](args.shrink)
+  print(f"{args.family} {args.format}{' (shrunk)' if args.shrink else ''} -> {args.out}")
   if args.dry_run:
     print_plan(plan)
   else:

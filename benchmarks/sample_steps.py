@@ -56,9 +56,9 @@ def ours(a):
   from diffpipe_jax import family as family_lib, models, runtime, sampling, sharding
   family = family_lib.get(a.model)
   shape, conditioning, uncond, noise, tokens = inputs(a)
-  layout = sharding.make_layout(sharding.make_mesh(1), family.stacks(shape.cfg), 1, 0, a.unrolled)
-  model = models.init_random(a.model, shape.cfg, jax.random.key(0), runtime=runtime.Runtime.of(layout),
-                             dtype=jnp.float32 if a.smoke else jnp.bfloat16, layout=layout)
+  placement = sharding.make_placement(sharding.make_mesh(1), family.stacks(shape.cfg), 1, 0, a.unrolled)
+  model = models.init_random(a.model, shape.cfg, jax.random.key(0), runtime=runtime.Runtime.of(placement),
+                             dtype=jnp.float32 if a.smoke else jnp.bfloat16, placement=placement)
   model_config = sampling_config(a)
   step = sampling.step_fn(model, model_config, a.guidance)  # compiled by the warm-up
   run = lambda steps: jax.block_until_ready(sampling.denoise(

@@ -1,8 +1,8 @@
 """A family's LoRA training step: the project's real step in several memory modes and any
-(data, stage[, seq]) device layouts, beside the family's PyTorch peer, in one call.
+(data, stage[, seq]) meshes, beside the family's PyTorch peer, in one call.
 
   python benchmarks/train_step.py --peer ../shared/bench/peer_torch_flux.py
-  python benchmarks/train_step.py --modes "per-block remat" --layouts 1x1,2x1,1x2 --microbatches 8
+  python benchmarks/train_step.py --modes "per-block remat" --meshes 1x1,2x1,1x2 --microbatches 8
   python benchmarks/train_step.py --modes "no remat (unrolled),per-block remat,fp8 base + per-block remat" \
       --blocks_to_swap 0,14,4   # issue 6's table
   python benchmarks/train_step.py --model ltx-video --res 512 --width 768 --frames 121 \
@@ -18,7 +18,7 @@ likewise with 256; Wan 2.1 1.3B or 14B or 2.2 TI2V 5B with 512), LoRA rank 32 on
 block Linear (float32), AdamW, bf16 compute, `--batch` samples (1) per micro-batch and data-parallel
 replica (a step of `--microbatches` M on D x S GPUs trains D * M samples; the pipeline runs the M
 micro-batches as its microbatches). Modes: no rematerialisation, per-block rematerialisation,
-and float8 (e4m3) frozen block weights with per-block remat. Each mode and layout (and each peer
+and float8 (e4m3) frozen block weights with per-block remat. Each mode and mesh (and each peer
 run) is its own process, so each peak memory is its own. Useful FLOPs are counted as the peers
 count them (forward + input-gradient matmuls of the blocks' Linears, attention x3). A run that
 runs out of device memory reads `OOM` in the table; `-` marks a figure that does not apply.
@@ -57,7 +57,7 @@ OOM = "OOM"  # the result of a run that ran out of device memory
 OOM_ERROR = re.compile(r"out[ _]?of[ _]?memory|RESOURCE_EXHAUSTED", re.IGNORECASE)
 # the table's columns: a row's key, the header, how a figure is written
 COLUMNS = (("mode", "mode", "{}"), ("swapped", "blocks swapped", "{}"),
-           ("impl", "implementation", "{}"), ("layout", "data x stage", "{}"),
+           ("impl", "implementation", "{}"), ("mesh", "data x stage", "{}"),
            ("step_s", "step (s, median)", "{:.3f}"), ("rate", "samples/s", "{:.2f}"),
            ("speedup", "vs 1 GPU", "{:.2f}x"), ("peak", "peak memory / GPU (GiB)", "{:.2f}"),
            ("step_peak", "step's peak (GiB)", "{:.2f}"),
@@ -173,40 +173,40 @@ def as_cached(batch, dtype):
       dtype if x.dtype == np.float32 and x.ndim == 3 and x.shape[-1] != 3 else x.dtype), batch)
 
 
-def run_mode(a, mode, layout_name, blocks_to_swap):
+def run_mode(a, mode, mesh_name, blocks_to_swap):
   import importlib
   import jax
   import jax.numpy as jnp
   from diffpipe_jax import family as family_lib, models, optim, runtime, sharding, training_step
 
-  data, stages, seq = map(int, (layout_name.split("x") + ["1"])[:3])
+  data, stages, seq = map(int, (mesh_name.split("x") + ["1"])[:3])
   family, shape = family_lib.get(a.model), SHAPES[a.model](a)
   config = importlib.import_module(f"diffpipe_jax.configs.{a.model.replace('-', '_')}").get_config("")
   config.adapter.rank = a.rank
   dtype = jnp.float32 if a.smoke else jnp.bfloat16
   devices = jax.devices()[:data * stages * seq]
   if len(devices) < data * stages * seq:
-    raise SystemExit(f"layout {layout_name} needs {data * stages * seq} devices, {len(devices)} visible")
+    raise SystemExit(f"mesh {mesh_name} needs {data * stages * seq} devices, {len(devices)} visible")
   mesh = sharding.make_mesh(stages, devices, seq)
   if seq > 1:
     jax.set_mesh(mesh)  # what this process (one run) traces splits its tokens (`sequence.parallel`)
-  layout = sharding.make_layout(mesh, family.stacks(shape.cfg),
-                                a.microbatches, int(blocks_to_swap), MODES[mode].get("unrolled", False),
-                                **({"tick_overhead": a.tick_overhead} if a.tick_overhead else {}))
-  if layout.plan:
-    print(layout.plan.describe(), file=sys.stderr)
-  model = models.init_random(a.model, shape.cfg, jax.random.key(0), dtype=dtype, layout=layout,
-                             transformer_dtype=MODES[mode]["transformer_dtype"],
-                             runtime=runtime.Runtime.of(layout, MODES[mode]["remat"]))
+  placement = sharding.make_placement(mesh, family.stacks(shape.cfg), a.microbatches,
+                                      int(blocks_to_swap), MODES[mode].get("unrolled", False),
+                                      **({"tick_overhead": a.tick_overhead} if a.tick_overhead else {}))
+  if placement.plan:
+    print(placement.plan.describe(), file=sys.stderr)
+  model = models.init_random(a.model, shape.cfg, jax.random.key(0), dtype=dtype,
+                             placement=placement, transformer_dtype=MODES[mode]["transformer_dtype"],
+                             runtime=runtime.Runtime.of(placement, MODES[mode]["remat"]))
   tx, _ = optim.make(config, 1000)
-  state = layout.create(functools.partial(
+  state = placement.create(functools.partial(
       training_step.init_state, layer_params=models.abstract_params(family, model.module, shape.cfg),
       config=config, tx=tx, family=family), jax.random.key(1))
   samples = data * a.microbatches * a.batch  # `batch` a microbatch and data-parallel replica
   batch = jax.tree.map(lambda x: x.reshape(a.microbatches, data * a.batch, *x.shape[1:]),
                        as_cached(shape.batch(samples), dtype))
-  batches = sharding.global_batch(layout.mesh, batch)
-  step = training_step.make_step(model, config, tx, layout)
+  batches = sharding.global_batch(placement.mesh, batch)
+  step = training_step.make_step(model, config, tx, placement)
   memory = lambda key: max((d.memory_stats() or {}).get(key, 0) for d in devices) / 2**30
   resident = memory("bytes_in_use")  # weights + state, per GPU
   t0 = time.perf_counter()
@@ -229,7 +229,7 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
     times.append(time.perf_counter() - t0)
   step_s = float(np.median(times[2:]))
   if a.profile:  # two more steps under the profiler, summarised by benchmarks/trace_summary.py
-    jax.profiler.start_trace(os.path.join(a.profile, f"{mode}@{layout_name}".replace(" ", "_")))
+    jax.profiler.start_trace(os.path.join(a.profile, f"{mode}@{mesh_name}".replace(" ", "_")))
     for i in range(2):
       state, m = step(state, model.params, batches, jax.random.key(100 + i))
     jax.block_until_ready(m)
@@ -237,7 +237,7 @@ def run_mode(a, mode, layout_name, blocks_to_swap):
   return dict(step_s=step_s, samples_per_s=samples / step_s, compile_s=compile_s,
               peak_gib=memory("peak_bytes_in_use"), step_peak_gib=step_peak, resident_gib=resident,
               loss=float(m["loss"]),
-              bubble=layout.plan.bubble() if layout.plan else 0.0,
+              bubble=placement.plan.bubble() if placement.plan else 0.0,
               device=devices[0].device_kind, jax=jax.__version__)
 
 
@@ -258,14 +258,14 @@ def of_ceiling(tflops):
 
 
 def our_row(key, r, ours, flop):
-  """Our run `key` (mode, blocks swapped, layout) as a row; `ours`, every run, gives its mode's
+  """Our run `key` (mode, blocks swapped, mesh) as a row; `ours`, every run, gives its mode's
   1x1 rate for the speed-up. `flop` (a sample's useful FLOPs) is None where not counted."""
-  mode, swapped, layout = key
-  row = dict(mode=mode, swapped=swapped, impl="diffpipe-jax", layout=layout)
+  mode, swapped, mesh = key
+  row = dict(mode=mode, swapped=swapped, impl="diffpipe-jax", mesh=mesh)
   if r == OOM:
     return dict(row, step_s=OOM)
   one = ours.get((mode, swapped, "1x1"), OOM)
-  gpus = np.prod([int(n) for n in layout.split("x")])
+  gpus = np.prod([int(n) for n in mesh.split("x")])
   tflops = None if flop is None else flop * r["samples_per_s"] / gpus / 1e12
   return dict(row, step_s=r["step_s"], rate=r["samples_per_s"],
               speedup=None if one == OOM else r["samples_per_s"] / one["samples_per_s"],
@@ -275,7 +275,7 @@ def our_row(key, r, ours, flop):
 
 def peer_row(ckpt, r, flop):
   """The peer's run (`ckpt` 1: gradient checkpointing, our per-block remat) as a row."""
-  row = dict(mode=("no remat", "per-block remat")[ckpt], swapped=0, impl="PyTorch peer", layout="1x1")
+  row = dict(mode=("no remat", "per-block remat")[ckpt], swapped=0, impl="PyTorch peer", mesh="1x1")
   if r == OOM:
     return dict(row, step_s=OOM)
   tflops = None if flop is None else flop / r["step_s_median"] / 1e12
@@ -291,11 +291,11 @@ def cell(value, spec):
 
 
 def table(ours, peer, flop):
-  """The markdown table of our runs ({(mode, blocks swapped, layout): result}) and the peer's
+  """The markdown table of our runs ({(mode, blocks swapped, mesh): result}) and the peer's
   ({ckpt: result}), a result being a run's JSON or OOM, in MODES' order."""
   rows = [our_row(key, r, ours, flop) for key, r in ours.items()]
   rows += [peer_row(ckpt, r, flop) for ckpt, r in peer.items()]
-  rows.sort(key=lambda row: (list(MODES).index(row["mode"]), row["swapped"], row["layout"]))
+  rows.sort(key=lambda row: (list(MODES).index(row["mode"]), row["swapped"], row["mesh"]))
   lines = ["| " + " | ".join(label for _, label, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   return lines + ["| " + " | ".join(cell(row.get(key), spec) for key, _, spec in COLUMNS) + " |"
                   for row in rows]
@@ -334,7 +334,7 @@ def main():
   p.add_argument("--peer_ckpt", default="0,1", help="the peer's --ckpt values to run (0: no gradient "
                  "checkpointing, 1: per block); 1 alone where 0 cannot fit the card")
   p.add_argument("--modes", default=",".join(m for m in MODES if "(" not in m))
-  p.add_argument("--layouts", default="1x1", help="(data)x(stage)[x(seq)] meshes, comma-separated: "
+  p.add_argument("--meshes", default="1x1", help="(data)x(stage)[x(seq)] meshes, comma-separated: "
                  "1x1,2x1,1x2,1x1x2")
   p.add_argument("--batch", type=int, default=1, help="samples a micro-batch and data replica")
   p.add_argument("--microbatches", type=int, default=1,
@@ -344,7 +344,7 @@ def main():
   p.add_argument("--blocks_to_swap", default="0",
                  help="N blocks' frozen weights (single blocks first, spread evenly) in pinned host "
                       "memory (one stage only): one N for every mode, or one per mode, comma-separated")
-  p.add_argument("--run", help=argparse.SUPPRESS)  # mode@layout@blocks_to_swap, in a subprocess of its own
+  p.add_argument("--run", help=argparse.SUPPRESS)  # mode@mesh@blocks_to_swap, in a subprocess of its own
   a = shape_defaults(p.parse_args())
   if a.smoke:
     a.steps, a.rank = 2, 4
@@ -361,12 +361,12 @@ def main():
   common += ["--profile", os.path.abspath(a.profile)] if a.profile else []
   common += ["--tick_overhead", str(a.tick_overhead)] if a.tick_overhead else []
   common += ["--smoke"] if a.smoke else []
-  layouts, modes, swaps = a.layouts.split(","), a.modes.split(","), a.blocks_to_swap.split(",")
+  meshes, modes, swaps = a.meshes.split(","), a.modes.split(","), a.blocks_to_swap.split(",")
   swaps = swaps * len(modes) if len(swaps) == 1 else swaps
   if len(swaps) != len(modes):
     p.error(f"--blocks_to_swap: one number, or one per mode ({len(modes)}); got {a.blocks_to_swap!r}")
   ours = {(m, int(n), l): sub(common + ["--run", f"{m}@{l}@{n}"], env)
-          for m, n in zip(modes, swaps) for l in layouts}
+          for m, n in zip(modes, swaps) for l in meshes}
   shape = SHAPES[a.model](a)
   peer = {ckpt: sub([sys.executable, a.peer, *shape.peer_args, "--rank", str(a.rank), "--ckpt", str(ckpt)])
           for ckpt in (map(int, a.peer_ckpt.split(",")) if a.peer else ())}

@@ -1,4 +1,4 @@
-"""Resumable training state: run directories and orbax checkpoints in diffusion-pipe's layout.
+"""Resumable training state: run directories and orbax checkpoints arranged as diffusion-pipe's.
 
 A run lives in `output_dir/YYYYMMDD_HH-MM-SS/`, its checkpoints in `global_step{N}/` beside the
 exported LoRAs. orbax (on a local disk) writes a step into `global_stepN.orbax-checkpoint-tmp-*`,

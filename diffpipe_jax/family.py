@@ -37,7 +37,7 @@ def config_dataclass(cls, cfg: dict, fixed: Optional[dict] = None, why: str = ""
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SingleFile:
-  """An original single-file layout (BFL's Flux, Lightricks' LTX, Tencent's HunyuanVideo): its
+  """An original single-file format (BFL's Flux, Lightricks' LTX, Tencent's HunyuanVideo): its
   conversion `rows` onto our names (`convert.table`, the file holding the fused modules; None:
   the file's names are ours), a key that identifies the model, the key prefixes of repackaged
   files, the key prefixes of other models the file may also hold (a VAE: never loaded),
@@ -83,7 +83,7 @@ class Family:
   # our names from a diffusers folder's (`convert.table` rows, the folder holding the parts);
   # None: the same names (Flux, LTX-Video)
   diffusers_rows: Optional[tuple]
-  single_file: Optional[SingleFile]  # the original single-file layout, if the family has one
+  single_file: Optional[SingleFile]  # the original single-file format, if the family has one
   checkpoint_path: Callable  # model_config -> the transformer's path (a folder or a file)
   model_keys: dict  # the family's own `model` keys -> their `rules.Key` (as `schema.SHARED`)
   make_module: Callable  # (cfg, dtype=, param_dtype=, attention_impl=) -> module
@@ -118,7 +118,7 @@ class TorchSide:
   """A family's PyTorch side, for caching and for tests: `load_encoders(model_config, device=,
   dtype=)` -> `encoders.Encoders`; `write_tiny_pipeline(root, seed=0)` writes a complete tiny
   pipeline folder; `build_tiny(seed=0, **config)` a random tiny transformer (float32, eval);
-  `save_tiny(model, root)` -> {layout name: path}, the model in every layout the loader takes;
+  `save_tiny(model, root)` -> {format name: path}, the model in every format the loader takes;
   `pipeline`: the diffusers pipeline class whose `load_lora_weights` takes our exported LoRAs."""
   load_encoders: Callable
   write_tiny_pipeline: Callable

@@ -30,13 +30,13 @@ ABORTED_EXIT_CODE = 128 + signal.SIGINT  # a shell's status of a process that Ct
 
 @dataclasses.dataclass
 class Run:
-  """A run ready to train (`train.prepare`): the config as run, the mesh and placement (`layout`),
-  the data, the frozen model, the training state in the layout's form and its step, and where
-  it writes."""
+  """A run ready to train (`train.prepare`): the config as run, the mesh and the
+  `placement`, the data, the frozen model, the training state in the placement's form and its
+  step, and where it writes."""
   config: Any
   family: Any
   mesh: Any
-  layout: Any
+  placement: Any
   run_dir: str
   resumed: bool
   is_main_process: bool  # the one that writes logs and exports
@@ -167,10 +167,10 @@ class Saver:
       self.export(f"step{step}" if step % per_epoch else f"epoch{step // per_epoch}", state, step)
 
 
-def eval_weights(params, config, layout):
+def eval_weights(params, config, placement):
   """The frozen weights the evals use: with `disable_block_swap_for_eval`, swapped layers copied
   to the device for their duration (faster evals, while the memory is there)."""
-  swapped = config["disable_block_swap_for_eval"] and layout.swap
+  swapped = config["disable_block_swap_for_eval"] and placement.swap
   return stacks.to_device(params) if swapped else params
 
 
@@ -196,7 +196,7 @@ class Evaluator:
 
   def __call__(self, step: int, examples: int, state):
     r, accum = self.run, self.run.config.eval_gradient_accumulation_steps
-    params = eval_weights(r.model.params, r.config, r.layout)
+    params = eval_weights(r.model.params, r.config, r.placement)
     for name, ev in r.evals.items():
       losses = []
       for i, batch in enumerate(ev.iterate(0, 0, jax.process_index(), jax.process_count())):

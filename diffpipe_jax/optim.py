@@ -7,8 +7,8 @@ in float32 and rounds to the LoRA's dtype. With a bfloat16 LoRA, `adamw_optimi` 
 rounding loses and adds it back later (`kahan_summation`, as the optimi library does).
 
 Optimizer states stay trees of arrays shaped like the LoRA's leaves (same leading axes), so that
-the layouts that store the LoRA per pipeline stage or per layer (`sharding.Layout`) carry them as
-they carry the LoRA, and checkpoints hold them as any pytree.
+the placements that store the LoRA per pipeline stage or per layer (`sharding.Placement`) carry
+them as they carry the LoRA, and checkpoints hold them as any pytree.
 """
 import math
 from typing import NamedTuple

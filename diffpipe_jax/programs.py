@@ -4,7 +4,7 @@ XLA compiles a program of every unrolled layer of a full-size model in minutes: 
 time grows with the program's size. Here the function is traced once per argument shapes and cut
 at its calls of functions made by `cut_point` (a model's block): each call is a piece whose
 programs every layer of a stack shares, and each stretch of work between calls (the embedders, the loss) is a piece of its own.
-`split` runs the pieces' programs in order; `value_and_grad` runs each piece's forward program
+`per_block` runs the pieces' programs in order; `value_and_grad` runs each piece's forward program
 (which returns its residuals) in order, then the backward programs in reverse. Every program is
 called from Python through jit's own dispatch, so the GPU runs them back to back while Python
 dispatches the next ones ahead (as fast as one program: benchmarks/HISTORY.md, "LoRA step:
@@ -50,8 +50,8 @@ JIT_OPTIONS = dict(compiler_options={"xla_gpu_enable_command_buffer": "", **WITH
 
 def cut_point(fn, **jit_options):
   """fn jitted (`jit_options` as jax.jit takes them): inlined where the caller is jitted whole,
-  and a piece of its own, shared by every call of it, where `split` or `value_and_grad` runs the
-  caller."""
+  and a piece of its own, shared by every call of it, where `per_block` or `value_and_grad` runs
+  the caller."""
   def piece(*args, **kwargs):
     return fn(*args, **kwargs)
   piece.__name__ = piece.__qualname__ = CUT_PREFIX + fn.__name__
@@ -133,8 +133,8 @@ def ahead_of_calls(fn, carried: int, varying: Sequence[int], jit_options=JIT_OPT
   `values(*args)`, with each varying argument stacked (one row a call), computes those that do
   not depend on the carried argument for every call in one program (jitted with `jit_options`)
   and returns each call's; `call(values, *args)` is fn(*args), reading the call's values instead
-  of computing them (a traceable function: jit it, or `split` it). A one-row matmul of each call
-  becomes one matmul of a row a call, which reads its weights once for all of them."""
+  of computing them (a traceable function: jit it, or run it `per_block`). A one-row matmul of
+  each call becomes one matmul of a row a call, which reads its weights once for all of them."""
   splits, programs = {}, {}
 
   def split_of(args, stacked: bool) -> tuple:
@@ -253,8 +253,9 @@ class _Differentiated:
     self.diff_at = [k for k, d in enumerate(differentiated) if d]  # (positions in the inputs)
     self.rest_at = [k for k, d in enumerate(differentiated) if not d]
     self.backward_order = self.diff_at + self.rest_at
-    # jit's own dispatch is the fastest; every call has the same shapes (those of one trace
-    # of the split function), so each traces once and `tree`, `forwarded`, `kept_at` stay valid.
+    # jit's own dispatch is the fastest; every call has the same shapes (those of one trace of
+    # the function run per block), so each traces once and `tree`, `forwarded`, `kept_at` stay
+    # valid.
     self.forward = jax.jit(self._traced_forward, **jit_options)
     self.backward = jax.jit(self._backward, **jit_options)
 
@@ -442,7 +443,7 @@ def _run_pieces(env, t: _Trace, call, finished):
       env[k] = None
 
 
-def split(fn, jit_options=JIT_OPTIONS):
+def per_block(fn, jit_options=JIT_OPTIONS):
   """fn (same arguments and results), run piece by piece (`pieces`), each program jitted with
   `jit_options`."""
   trace = _cached_trace(fn)

@@ -7,7 +7,7 @@ from a context while a function is traced), and how a function is compiled and d
 (one jitted program, or programs per block over unrolled layers: `programs`).
 
 `REMAT_POLICIES` names the rematerialisation policies (`activation_checkpointing`);
-`unrolled_for` decides whether a run's layers are unrolled (which the layout also stores).
+`unrolled_for` decides whether a run's layers are unrolled (which the placement also stores).
 Nothing here knows a model family.
 """
 import contextvars
@@ -78,7 +78,7 @@ def kernels_in_place() -> bool:
 @dataclasses.dataclass(frozen=True)
 class Runtime:
   """How a model runs: `remat`, a `REMAT_POLICIES` key; `unrolled`, the blocks unrolled (their
-  weights stored per layer: the layout's `unrolled`) rather than scanned; `pipeline`, a
+  weights stored per layer: the placement's `unrolled`) rather than scanned; `pipeline`, a
   `sharding.pipeline.Pipeline` over the mesh's stages (None: one stage)."""
   remat: str = "none"
   unrolled: bool = False
@@ -88,9 +88,9 @@ class Runtime:
     remat_policy(self.remat, self.unrolled, self.pipeline is not None)
 
   @classmethod
-  def of(cls, layout, remat: str = "none") -> "Runtime":
-    """The runtime of a `sharding.Layout`'s placement (its unrolled layers, its pipeline)."""
-    return cls(remat, layout.unrolled, layout.pipeline)
+  def of(cls, placement, remat: str = "none") -> "Runtime":
+    """The runtime of a `sharding.Placement` (its unrolled layers, its pipeline)."""
+    return cls(remat, placement.unrolled, placement.pipeline)
 
   @property
   def kernels_in_place(self) -> bool:
@@ -136,11 +136,11 @@ class Runtime:
 
   def compile(self, fn, jit_options=None):
     """fn as one jitted program; or, with the layers unrolled, as programs per block, which also
-    copy swapped layers' weights to the device (`programs.split`: one program of every unrolled
+    copy swapped layers' weights to the device (`programs.per_block`: one program of every unrolled
     layer would take minutes to compile at full size). Jitted with `jit_options` (None: jit's
     defaults; the programs' `programs.JIT_OPTIONS`)."""
     if self.unrolled:
-      return programs.split(fn, programs.JIT_OPTIONS if jit_options is None else jit_options)
+      return programs.per_block(fn, programs.JIT_OPTIONS if jit_options is None else jit_options)
     return jax.jit(fn, **(jit_options or {}))
 
   def value_and_grad(self, fn, jit_options=programs.JIT_OPTIONS):

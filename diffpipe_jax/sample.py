@@ -78,19 +78,19 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   memory.training()
   # one device, the blocks unrolled (programs per block: faster than the scan), the config's
   # float8 base and swapped blocks
-  layout = sharding.make_layout(sharding.make_mesh(1, jax.devices()[:1]), family.stacks(
+  placement = sharding.make_placement(sharding.make_mesh(1, jax.devices()[:1]), family.stacks(
       models.checkpoint_config(family.type, path)), 1, config.blocks_to_swap, unrolled=True)
   model = models.load(family.type, path, dtype=jnp.dtype(config.model.dtype),
                       transformer_dtype=config.model.transformer_dtype,
-                      runtime=runtime.Runtime.of(layout), layout=layout)
-  plain = models.abstract_params(family, model.module, model.config)  # the layer layout's shapes
+                      runtime=runtime.Runtime.of(placement), placement=placement)
+  plain = models.abstract_params(family, model.module, model.config)  # the stacked form's shapes
   adapters = [lora.scaled(lora.read(lora_path, plain, family), scale) for lora_path, scale in loras]
   adapter = lora.combine(adapters) if adapters else None
   default_steps, default_guidance = sampling.defaults(family, config)
   steps, guidance = steps or default_steps, default_guidance if guidance < 0 else guidance
   seed = config.sample_seed if seed is None else seed
   with tqdm(total=steps * len(texts), desc="sampling", unit="step", dynamic_ncols=True) as bar:
-    latents = sampling.draw(model, model.params, adapter and layout.to_stages(adapter), config.model,
+    latents = sampling.draw(model, model.params, adapter and placement.to_stages(adapter), config.model,
                             prompts, steps, guidance, seed,
                             step=sampling.step_fn(model, config.model, guidance),
                             progress=lambda i: bar.update(1))

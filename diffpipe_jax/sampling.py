@@ -124,7 +124,7 @@ def denoise(model, params, adapter, model_config, conditioning: dict, noise, gri
   pipeline for a latent `grid` (the encoders' `latent_grid`). `conditioning`: the cached text
   fields of B prompts (and `position_ids`, where the family has them); `uncond`: the empty
   prompt's, one row (classifier-free families); `step`: `step_fn`'s for this model_config and
-  guidance (by default the plain layout's, compiled anew: pass one to reuse it); `place`: puts
+  guidance (by default made here, so compiled anew: pass one to reuse it); `place`: puts
   the (numpy) batch and noise on the devices; `progress(i)` after each step."""
   sampling = model.family.sampling
   step = step or step_fn(model, model_config, guidance)

@@ -53,7 +53,7 @@ class Stack:
 @dataclasses.dataclass
 class Swapped:
   """Stacked weights split on their layer axis: the resident layers stacked in device memory,
-  the swapped ones (`swap_positions`) in pinned host memory. Of one weight (`split_layers`):
+  the swapped ones (`swap_positions`) in pinned host memory. Of one weight (`swap_layers`):
   one host array per swapped layer, on the way to the stack's form. Of a whole stack
   (`pack_layers`, the form the model runs): `device` is the tree of resident weights, and each
   swapped layer is one byte buffer, copied to the device by one DMA that runs beside the
@@ -115,7 +115,7 @@ def host_layers(params) -> int:
   return len(params.pinned_host) if is_swapped(params) else 0
 
 
-def split_layers(weight, swapped: int):
+def swap_layers(weight, swapped: int):
   """A stacked weight [length, ...] -> `Swapped` (still where `weight` is; jit-able)."""
   host = swap_positions(weight.shape[0], swapped)
   resident = np.array([i for i in range(weight.shape[0]) if i not in host], dtype=np.int32)
@@ -123,7 +123,7 @@ def split_layers(weight, swapped: int):
 
 
 def pack_layers(stack, pack_layer):
-  """A stack's tree of `split_layers` weights -> one `Swapped` whose host layers are
+  """A stack's tree of `swap_layers` weights -> one `Swapped` whose host layers are
   `layer_bytes` buffers, each made by `pack_layer` (`layer_bytes` placed in host memory)."""
   leaves, treedef = jax.tree.flatten(stack, is_leaf=is_swapped)
   return Swapped(treedef.unflatten([leaf.device for leaf in leaves]),
@@ -197,7 +197,7 @@ def run_scanned(stack: Stack, x, args, *, remat: Optional[Callable] = None, key=
   policy `remat` (None: no rematerialisation). The stacked weights are the scan's xs, which the
   backward pass reads in place."""
   assert not any(map(is_layer_arrays, jax.tree.leaves(stack.params, is_leaf=is_layer_arrays))), (
-      "weights stored per layer (the unrolled layout) run unrolled: unrolled=True")
+      "weights in the per-layer form run unrolled: unrolled=True")
   apply = lambda x, params, lora, i: apply_block(stack.block, x, params, lora, args, key, i)
   run = apply if remat is None else jax.checkpoint(apply, prevent_cse=False, policy=remat)
   layer = lambda x, xs: (run(x, *xs), None)

@@ -239,36 +239,37 @@ def prepare(config, on_exit: contextlib.ExitStack, resume=None, cache_only=False
 
   # ---------------------------------------------------------------- model (frozen), on the mesh
   block_stacks = family.stacks(models.checkpoint_config(family.type, path))
-  layout = sharding.make_layout(mesh, block_stacks, accum, config.blocks_to_swap,
-                                runtime.unrolled_for(config),
-                                partition_split=config.partition_split,
-                                layers_around_stacks=family.layers_around_stacks)
-  if layout.plan is not None:
-    print(layout.plan.describe())
+  placement = sharding.make_placement(mesh, block_stacks, accum, config.blocks_to_swap,
+                                      runtime.unrolled_for(config),
+                                      partition_split=config.partition_split,
+                                      layers_around_stacks=family.layers_around_stacks)
+  if placement.plan is not None:
+    print(placement.plan.describe())
   if config.partition_split:
-    print(split_cost(layout.plan, sharding.make_layout(mesh, block_stacks, accum).plan))
-  if layout.swap:
+    print(split_cost(placement.plan, sharding.make_placement(mesh, block_stacks, accum).plan))
+  if placement.swap:
     print("frozen weights in pinned host memory: " + ", ".join(
-        f"{n} of the {name}, spread evenly" for name, n in layout.swap))
+        f"{n} of the {name}, spread evenly" for name, n in placement.swap))
   model = models.load(family.type, path, dtype=jnp.dtype(config.model.dtype),
                       transformer_dtype=config.model.transformer_dtype,
-                      runtime=runtime.Runtime.of(layout, config.activation_checkpointing), layout=layout)
+                      runtime=runtime.Runtime.of(placement, config.activation_checkpointing),
+                      placement=placement)
 
   # ---------------------------------------------------------------- adapter and optimizer
-  # The state is created, checkpointed and exported in the plain layer layout, and trained in
-  # the layout's (per pipeline stage, per layer): `layout.create` and `to_layers` convert, in jit.
+  # The state is created, checkpointed and exported in the stacked form, and trained in the
+  # placement's (per pipeline stage, per layer): `placement.create` and `to_layers` convert, in jit.
   tx, lr_fn = optim.make(config, total_steps)
   make_state = functools.partial(init_state, layer_params=models.abstract_params(
       family, model.module, model.config), config=config, tx=tx, family=family)
   layer_state = jax.eval_shape(make_state, jax.random.key(config.seed))
   replicated = sharding.tree_shardings(mesh, layer_state)
-  to_layers = jax.jit(layout.to_layers, out_shardings=replicated)  # checkpoints
-  lora_to_layers = jax.jit(layout.to_layers, out_shardings=replicated["lora"])  # exports
+  to_layers = jax.jit(placement.to_layers, out_shardings=replicated)  # checkpoints
+  lora_to_layers = jax.jit(placement.to_layers, out_shardings=replicated["lora"])  # exports
   if resume is not None:
     check_resumable(run_dir, ckpt, config, layer_state)
     state, meta = ckpt.restore(abstract_state=jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer_state, replicated))
-    state = layout.create(lambda s: s, state)
+    state = placement.create(lambda s: s, state)
     if meta.get("steps_per_epoch", steps_per_epoch) != steps_per_epoch:
       raise UserError(f"{run_dir} was trained with {meta['steps_per_epoch']} steps an epoch, the "
                       f"data now gives {steps_per_epoch}: the dataset or batch settings changed, so "
@@ -285,7 +286,7 @@ def prepare(config, on_exit: contextlib.ExitStack, resume=None, cache_only=False
         existing = lora.load(config.adapter.init_from_existing, layer_state["lora"], family)
       except UserError as e:
         raise UserError(f"adapter.init_from_existing={config.adapter.init_from_existing!r}: {e}") from None
-    state = layout.create(make_state, jax.random.key(config.seed), existing)
+    state = placement.create(make_state, jax.random.key(config.seed), existing)
     run_dir = from_process_0(checkpoint.new_run_dir(config.output_dir) if is_main_process else "")
     if is_main_process:
       on_exit.enter_context(checkpoint.lock_run_dir(run_dir))
@@ -296,8 +297,8 @@ def prepare(config, on_exit: contextlib.ExitStack, resume=None, cache_only=False
   print(f"run directory: {run_dir}; mesh {dict(mesh.shape)} over {len(jax.devices())} devices; "
         f"{schedule(dataset)}")
 
-  return loop.Run(config=config, family=family, mesh=mesh, layout=layout, run_dir=run_dir,
+  return loop.Run(config=config, family=family, mesh=mesh, placement=placement, run_dir=run_dir,
                   resumed=resume is not None, is_main_process=is_main_process, dataset=dataset,
                   evals=evals, prompts=prompts, encoders=encoders, model=model, state=state,
-                  step_fn=make_step(model, config, tx, layout), lr_fn=lr_fn, checkpointer=ckpt,
+                  step_fn=make_step(model, config, tx, placement), lr_fn=lr_fn, checkpointer=ckpt,
                   to_layers=to_layers, lora_to_layers=lora_to_layers, epoch_losses=epoch_losses)

@@ -119,7 +119,7 @@ def grad_fn(model, config, jit_options=programs.JIT_OPTIONS):
 
 
 def init_state(key, adapter=None, *, layer_params, config, tx, family):
-  """The training state in the plain layer layout: a new LoRA for the family's targets but
+  """The training state in the stacked form: a new LoRA for the family's targets but
   `adapter.exclude_modules` (or the given one), its optimizer state and the step count."""
   if adapter is None:
     adapter = lora.init(layer_params, family.lora_targets, config.adapter.rank,
@@ -146,22 +146,22 @@ def train_step(state, params, batches, key, *, grads, update):
   return update(state, *grads(state["lora"], params, batches, jax.random.split(key, n)))
 
 
-def make_step(model, config, tx, layout):
+def make_step(model, config, tx, placement):
   """`train_step` (state, params, batches, key) -> (state, metrics) for the model's runtime and
-  its layout: one jitted program; or, with the layers unrolled, the loss and its gradient as a
+  its placement: one jitted program; or, with the layers unrolled, the loss and its gradient as a
   sequence of programs (`programs`: each stack's block forward and backward programs compile
   once for all its layers), then one jitted update. One program of every unrolled layer would
   take minutes to compile at full size."""
   grads = grad_fn(model, config)
   if not model.runtime.unrolled:
-    def step_in_layout(state, *args):
-      # The state leaves as it came, in the layout's shardings: left to XLA, sequence
+    def step_in_placement(state, *args):
+      # The state leaves as it came, in the placement's shardings: left to XLA, sequence
       # parallelism shards the new LoRA's q/k/v outputs over 'seq', and the second step compiles again.
       state, metrics = train_step(state, *args, grads=grads, update=functools.partial(apply_gradients, tx=tx))
-      return jax.lax.with_sharding_constraint(state, layout.shardings(state)), metrics
+      return jax.lax.with_sharding_constraint(state, placement.shardings(state)), metrics
     # Where the Linears are written to read the scanned layers' kernels in place, their matmuls
     # do: unless the dot merger joins (so copies) q's, k's and v's.
-    return jax.jit(step_in_layout, donate_argnums=(0,),
+    return jax.jit(step_in_placement, donate_argnums=(0,),
                    compiler_options=programs.WITHOUT_DOT_MERGER if model.runtime.kernels_in_place else None)
   compute_dtype = model.module.dtype
 
@@ -171,7 +171,7 @@ def make_step(model, config, tx, layout):
     adapter = stacks.restack(state["lora"])
     g = jax.tree.map(lambda g, a: g.astype(a.dtype), stacks.restack(g), adapter)
     new, metrics = apply_gradients(dict(state, lora=adapter), loss, g, tx=tx)
-    new = dict(new, lora=layout.to_stages(new["lora"]))
+    new = dict(new, lora=placement.to_stages(new["lora"]))
     return new, metrics, lora.in_dtype(new["lora"], compute_dtype)
   update = jax.jit(apply_gradients_stacked, donate_argnums=(0,), **programs.JIT_OPTIONS)
   compiling = []  # the update's compilation, started by the first step
@@ -183,10 +183,10 @@ def make_step(model, config, tx, layout):
     # at full size: it compiles in a thread while the first step's programs do.
     if not compiling:
       specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-      loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(layout.mesh, axes.spec()))
+      loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(placement.mesh, axes.spec()))
       grad_dtype = compute_dtype if n == 1 else jnp.float32  # (`grad_fn` sums in float32)
       g = jax.tree.map(lambda x: x.update(dtype=grad_dtype), specs["lora"])
-      compiling.append(_COMPILER.submit(lambda: compile_in(sequence.parallel(layout.mesh), update, specs, loss, g)))
+      compiling.append(_COMPILER.submit(lambda: compile_in(sequence.parallel(placement.mesh), update, specs, loss, g)))
     first = jax.tree.leaves(state["lora"])[0]
     if computed.get("of") is not first:  # a state that the last update did not return
       computed.update(of=first, adapter=lora.in_dtype(state["lora"], compute_dtype))

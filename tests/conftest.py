@@ -36,7 +36,7 @@ from diffpipe_jax import family as family_lib  # noqa: E402
 # `build_tiny` and `save_tiny`), so a new family gets them by registering.
 FAMILIES = family_lib.names()
 # The trainer's machinery around the step (signals, several processes, a resume's refusals,
-# config errors, a diverging run, restoring into swapped or unrolled data-parallel layouts) is
+# config errors, a diverging run, restoring into swapped or unrolled data-parallel placements) is
 # the same code for every family: it is tested on one, the tiny model with videos and images
 # that compiles fastest. What a family's model changes (its stacks over stages, swapped blocks,
 # its export) is tested for every family.
@@ -79,7 +79,7 @@ def pytest_terminal_summary(terminalreporter, config):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-  """name -> dict(family, torch: its tiny transformer, layouts: {layout: path}), each family's
+  """name -> dict(family, torch: its tiny transformer, formats: {format: path}), each family's
   built on first use; **config: another tiny model of that family."""
   built = {}
 
@@ -90,16 +90,16 @@ def tiny_models(tmp_path_factory):
       side = family_lib.torch_side(fam)
       model = side.build_tiny(seed=seed, **config)
       built[key] = dict(family=fam, torch=model,
-                        layouts=side.save_tiny(model, str(tmp_path_factory.mktemp(name))))
+                        formats=side.save_tiny(model, str(tmp_path_factory.mktemp(name))))
     return built[key]
   return get
 
 
 @pytest.fixture(scope="module")
 def flux(tiny_models):
-  """Our tiny FLUX.1, loaded from its diffusers layout."""
+  """Our tiny FLUX.1, loaded from its diffusers folder."""
   from diffpipe_jax import models
-  return models.load("flux", tiny_models("flux")["layouts"]["diffusers"], progress=False)
+  return models.load("flux", tiny_models("flux")["formats"]["diffusers"], progress=False)
 
 
 @pytest.fixture(params=FAMILIES)
@@ -110,9 +110,9 @@ def tiny_model(request, tiny_models):
 
 @pytest.fixture(scope="session")
 def flux_checkpoints(tiny_models):
-  """Tiny FLUX.1 dev and schnell models (torch) and their files in every layout."""
+  """Tiny FLUX.1 dev and schnell models (torch) and their files in every format."""
   dev, schnell = tiny_models("flux"), tiny_models("flux", seed=2, guidance_embeds=False)
-  return {variant: dict(torch=m["torch"], **m["layouts"]) for variant, m in
+  return {variant: dict(torch=m["torch"], **m["formats"]) for variant, m in
           (("dev", dev), ("schnell", schnell))}
 
 

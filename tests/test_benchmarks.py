@@ -51,7 +51,7 @@ def test_video_step_benchmark_smoke(tmp_path, model, title):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   (tmp_path / "peer.py").write_text(VIDEO_PEER)
   out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--model",
-                        model, "--smoke", "--modes", "per-block remat", "--layouts", "1x1,1x2",
+                        model, "--smoke", "--modes", "per-block remat", "--meshes", "1x1,1x2",
                         "--peer", str(tmp_path / "peer.py")],
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
   assert out.startswith(title), out
@@ -65,7 +65,7 @@ def test_video_step_benchmark_smoke(tmp_path, model, title):
 def test_flux_step_benchmark_smoke(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--smoke",
-                        "--modes", "per-block remat,fp8 base + per-block remat", "--layouts", "1x1,2x2",
+                        "--modes", "per-block remat,fp8 base + per-block remat", "--meshes", "1x1,2x2",
                         "--microbatches", "2", "--profile", str(tmp_path)],
                        env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
   rows = [line for line in out.splitlines() if line.startswith("| ") and "diffpipe-jax" in line]
@@ -74,7 +74,7 @@ def test_flux_step_benchmark_smoke(tmp_path):
   assert len(glob.glob(str(tmp_path / "**" / "*.trace.json.gz"), recursive=True)) == 4
 
 
-def test_flux_step_benchmark_smoke_of_split_and_swapped_steps(tmp_path):
+def test_flux_step_benchmark_smoke_of_unrolled_and_swapped_steps(tmp_path):
   """The unrolled mode (its step split into programs per block), blocks_to_swap per mode, and a
   peer that runs out of memory: an OOM row, the rest of the table, `-` where nothing applies."""
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -94,7 +94,7 @@ def test_flux_step_benchmark_smoke_of_split_and_swapped_steps(tmp_path):
 
 
 def test_flux_step_table_of_runs_out_of_memory(tmp_path):
-  """A run that dies of XLA's RESOURCE_EXHAUSTED is an OOM row, and the row of a layout whose 1x1
+  """A run that dies of XLA's RESOURCE_EXHAUSTED is an OOM row, and the row of a mesh whose 1x1
   run it was has no speed-up; a run that fails otherwise still stops the benchmark."""
   (tmp_path / "oom.py").write_text('raise SystemExit("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: '
                                    'Out of memory while trying to allocate 25769803776 bytes.")')
@@ -208,7 +208,7 @@ ENTRY %main (a: f32[16,4], b: f32[2,8]) -> f32[2,4] {
 
 # ---- benchmarks/full_size.py: full-size checkpoints and media, here at --shrink dimensions --------
 
-# (family, layout) -> what a user points the config at: model path, encoder keys
+# (family, format) -> what a user points the config at: model path, encoder keys
 SHRUNK_USES = {
     ("flux", "diffusers"): ("", dict(diffusers_path="")),
     ("flux", "single_file"): ("flux1-dev.safetensors", None),
@@ -225,15 +225,15 @@ SHRUNK_USES = {
 
 
 @pytest.fixture(scope="module")
-def shrunk_layouts(tmp_path_factory):
-  """Every family's every layout, written by the command line at --shrink: (family, layout) ->
+def shrunk_formats(tmp_path_factory):
+  """Every family's every format, written by the command line at --shrink: (family, format) ->
   its folder."""
   root = tmp_path_factory.mktemp("full_size")
   folders = {}
-  for family, layouts in full_size.LAYOUTS.items():
-    for layout in layouts:
-      folders[family, layout] = str(root / f"{family}-{layout}")
-      full_size.main(["--family", family, "--layout", layout, "--out", folders[family, layout],
+  for family, formats in full_size.FORMATS.items():
+    for format in formats:
+      folders[family, format] = str(root / f"{family}-{format}")
+      full_size.main(["--family", family, "--format", format, "--out", folders[family, format],
                       "--shrink"])
   return folders
 
@@ -243,16 +243,16 @@ def in_folder(folder, path):
   return None if path is None else os.path.normpath(os.path.join(folder, path))
 
 
-@pytest.mark.parametrize("family,layout", sorted(SHRUNK_USES))
-def test_full_size_layouts_load_as_users_load_them(shrunk_layouts, family, layout):
-  """Each layout's transformer through `models.load` (ComfyUI's float8 file as the float8 base),
+@pytest.mark.parametrize("family,format", sorted(SHRUNK_USES))
+def test_full_size_formats_load_as_users_load_them(shrunk_formats, family, format):
+  """Each format's transformer through `models.load` (ComfyUI's float8 file as the float8 base),
   and its encoders through the family's `load_encoders`, encoding an image and a caption."""
   import jax.numpy as jnp
   from conftest import family_config
   from diffpipe_jax import family as family_lib
   from diffpipe_jax import models
-  folder = shrunk_layouts[family, layout]
-  model_path, keys = SHRUNK_USES[family, layout]
+  folder = shrunk_formats[family, format]
+  model_path, keys = SHRUNK_USES[family, format]
   float8 = "fp8" in model_path
   model = models.load(family, in_folder(folder, model_path), progress=False,
                       transformer_dtype="float8" if float8 else None)
@@ -270,13 +270,13 @@ def test_full_size_layouts_load_as_users_load_them(shrunk_layouts, family, layou
   encoders.release()
 
 
-def test_full_size_diffusers_folders_load_in_diffusers(shrunk_layouts):
+def test_full_size_diffusers_folders_load_in_diffusers(shrunk_formats):
   """The pipeline folders load whole in diffusers, every component its class, with our values."""
   import diffusers
   import torch
   from diffpipe_jax.convert.tensorfile import TensorFiles, safetensors_in_folder
   for family, pipeline in (("flux", "FluxPipeline"), ("ltx-video", "LTXPipeline")):
-    folder = shrunk_layouts[family, "diffusers"]
+    folder = shrunk_formats[family, "diffusers"]
     pipe = getattr(diffusers, pipeline).from_pretrained(folder, dtype=torch.bfloat16)
     with open(f"{folder}/model_index.json") as f:
       classes = {k: v[1] for k, v in json.load(f).items() if isinstance(v, list) and v[0]}
@@ -332,20 +332,20 @@ def test_full_size_folders_are_what_save_pretrained_writes(tmp_path, library, mo
               2 if name == "t5_xxl" else 1))  # the released files' shards
 
 
-def test_full_size_weights_are_drawn_as_the_models_initialise_them(shrunk_layouts):
+def test_full_size_weights_are_drawn_as_the_models_initialise_them(shrunk_formats):
   """Linear weights N(0, 1/fan_in), biases 0, norms 1, embeddings N(0, 0.02^2); ComfyUI's file
   has the blocks' Linear weights in float8 (within its range) and the rest in bf16."""
   from safetensors.numpy import load_file
-  folder = shrunk_layouts["flux", "single_file"]
+  folder = shrunk_formats["flux", "single_file"]
   tensors = {k: v.astype(np.float32) for k, v in load_file(f"{folder}/flux1-dev.safetensors").items()}
   qkv = tensors["double_blocks.0.img_attn.qkv.weight"]
   assert abs(qkv.std() * qkv.shape[1] ** 0.5 - 1) < 0.05 and abs(qkv.mean()) < 0.01
   assert (tensors["double_blocks.0.img_attn.qkv.bias"] == 0).all()
   assert (tensors["double_blocks.0.img_attn.norm.query_norm.scale"] == 1).all()
-  t5 = load_file(f"{shrunk_layouts['flux', 'diffusers']}/text_encoder_2/model-00001-of-00002.safetensors")
+  t5 = load_file(f"{shrunk_formats['flux', 'diffusers']}/text_encoder_2/model-00001-of-00002.safetensors")
   assert abs(t5["shared.weight"].astype(np.float32).std() / 0.02 - 1) < 0.05
   from diffpipe_jax.convert.tensorfile import read_header
-  header, _ = read_header(f"{shrunk_layouts['hunyuan-video', 'comfyui']}/"
+  header, _ = read_header(f"{shrunk_formats['hunyuan-video', 'comfyui']}/"
                           "hunyuan_video_720_cfgdistill_fp8_e4m3fn.safetensors")
   float8 = {k for k, e in header.items() if e["dtype"] == "F8_E4M3"}
   assert float8 == {k for k, e in header.items() if k.startswith(("double_blocks.", "single_blocks."))
@@ -353,13 +353,13 @@ def test_full_size_weights_are_drawn_as_the_models_initialise_them(shrunk_layout
   assert {e["dtype"] for k, e in header.items() if k not in float8} == {"BF16"}
 
 
-def test_full_size_torch_pickle_reads_back_exactly(shrunk_layouts):
-  """Tencent's .pt, written a tensor at a time in torch.save's zip layout: torch.load reads every
+def test_full_size_torch_pickle_reads_back_exactly(shrunk_formats):
+  """Tencent's .pt, written a tensor at a time in torch.save's zip format: torch.load reads every
   tensor's bytes back, memory-mapped and not, from a valid zip with 64-byte aligned storages."""
   import struct
   import torch
   import zipfile
-  folder = shrunk_layouts["hunyuan-video", "official"]
+  folder = shrunk_formats["hunyuan-video", "official"]
   plan = full_size.hunyuan_official(True)
   pools = full_size.Pools([t for f in plan.weights for t in f.tensors])
   for file in plan.weights:
@@ -468,9 +468,9 @@ def test_full_job_recipes_name_keys_the_configs_have(family, tmp_path):
   config = module.get_config()
   assert config.dataset.path == os.path.join("/data", recipe["data"])
   family_config = importlib.import_module(f"diffpipe_jax.configs.{recipe['config']}").get_config()
-  for layout, model_keys in recipe["layouts"].items():  # update() would add any key
-    assert set(model_keys("/models")) <= set(family_config.model), layout
-    assert layout in full_size.LAYOUTS[family], layout
+  for format, model_keys in recipe["formats"].items():  # update() would add any key
+    assert set(model_keys("/models")) <= set(family_config.model), format
+    assert format in full_size.FORMATS[family], format
   for card in recipe["cards"].values():
     for key in {**recipe["dataset"], **card["overrides"]}:
       *parents, name = key.split(".")

@@ -1,5 +1,5 @@
 """FLUX.1: the Flax transformer against diffusers' FluxTransformer2DModel (dev and schnell, several
-shapes, every layout), its inputs' checks, bf16, its single-file table, and its cache's latents
+shapes, every format), its inputs' checks, bf16, its single-file table, and its cache's latents
 and embeddings against FluxPipeline's."""
 import copy
 import os
@@ -17,7 +17,7 @@ from diffpipe_jax.convert import table
 from diffpipe_jax.encoders import flux as flux_torch
 from diffpipe_jax.models import flux
 
-LAYOUTS = ("diffusers", "diffusers_sharded", "single_file", "single_file_prefixed")
+FORMATS = ("diffusers", "diffusers_sharded", "single_file", "single_file_prefixed")
 DEV = flux.config_from_diffusers(flux_torch.TINY_FLUX)
 
 
@@ -34,8 +34,8 @@ def torch_forward(model, inputs, dtype=torch.float32):
 
 @pytest.fixture(scope="module")
 def loaded(flux_checkpoints):
-  return {(variant, layout): models.load("flux", ckpts[layout], progress=False)
-          for variant, ckpts in flux_checkpoints.items() for layout in LAYOUTS}
+  return {(variant, format): models.load("flux", ckpts[format], progress=False)
+          for variant, ckpts in flux_checkpoints.items() for format in FORMATS}
 
 
 @pytest.mark.parametrize("variant", ["dev", "schnell"])
@@ -43,10 +43,10 @@ def loaded(flux_checkpoints):
 def test_parity_with_diffusers(flux_checkpoints, loaded, variant, batch, h, w, txt_len):
   inputs = flux_inputs(batch, h, w, txt_len, guidance=variant == "dev", seed=batch * 100 + h)
   ref = torch_forward(flux_checkpoints[variant]["torch"], inputs)
-  for layout in LAYOUTS:
-    out = loaded[variant, layout](**inputs)
+  for format in FORMATS:
+    out = loaded[variant, format](**inputs)
     assert out.shape == ref.shape
-    assert_close(out, ref, what=layout)
+    assert_close(out, ref, what=format)
   assert loaded[variant, "single_file"].config == loaded[variant, "diffusers"].config
   assert loaded[variant, "single_file"].config.axes_dims_rope == flux_torch.TINY_FLUX["axes_dims_rope"]
 

@@ -1,5 +1,5 @@
 """HunyuanVideo: the transformer against diffusers' `HunyuanVideoTransformer3DModel` from every
-layout (diffusers folder, Tencent's `.pt` and its folder, ComfyUI's files, a float8 file), its
+format (diffusers folder, Tencent's `.pt` and its folder, ComfyUI's files, a float8 file), its
 conversion table against diffusers' own, and the inputs it refuses."""
 import os
 
@@ -18,7 +18,7 @@ from diffpipe_jax.convert.tensorfile import write_safetensors
 from diffpipe_jax.encoders import hunyuan_video as hv_torch
 from diffpipe_jax.models import hunyuan_video as hv
 
-LAYOUTS = ("diffusers", "official", "official_folder", "single_file", "single_file_prefixed")
+FORMATS = ("diffusers", "official", "official_folder", "single_file", "single_file_prefixed")
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +28,22 @@ def checkpoint(tiny_models):
 
 @pytest.fixture(scope="module")
 def loaded(checkpoint):
-  layouts = dict(checkpoint["layouts"])
-  layouts["official_folder"] = os.path.dirname(os.path.dirname(layouts["official"]))
-  return {layout: models.load("hunyuan-video", layouts[layout], progress=False) for layout in LAYOUTS}
+  formats = dict(checkpoint["formats"])
+  formats["official_folder"] = os.path.dirname(os.path.dirname(formats["official"]))
+  return {format: models.load("hunyuan-video", formats[format], progress=False) for format in FORMATS}
 
 
 @pytest.mark.parametrize("batch,grid,txt_len", [(1, (1, 2, 2), 5), (2, (3, 1, 3), 7),
                                                  (2, (2, 3, 1), 1)])
 def test_parity_with_diffusers(checkpoint, loaded, batch, grid, txt_len):
-  """Several latent grids (one frame, odd sides), padded prompts, from every layout."""
+  """Several latent grids (one frame, odd sides), padded prompts, from every format."""
   inputs = hv.random_inputs(loaded["diffusers"].config, batch, *grid, txt_len=txt_len,
                             seed=batch * 10 + txt_len)
   ref = torch_forward(checkpoint["torch"], inputs)
-  for layout, model in loaded.items():
+  for format, model in loaded.items():
     out = model(**inputs)
     assert out.shape == ref.shape
-    assert_close(out, ref, what=layout)
+    assert_close(out, ref, what=format)
   assert len({m.config for m in loaded.values()}) == 1
 
 
@@ -136,7 +136,7 @@ def test_inputs_are_checked(loaded):
 
 
 def test_a_truncated_official_file_is_one_error(checkpoint, tmp_path):
-  data = open(checkpoint["layouts"]["official"], "rb").read()
+  data = open(checkpoint["formats"]["official"], "rb").read()
   path = tmp_path / "mp_rank_00_model_states.pt"
   path.write_bytes(data[:len(data) // 2])
   with pytest.raises(CheckpointError, match="is not a readable torch checkpoint"):

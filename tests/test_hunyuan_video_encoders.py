@@ -246,13 +246,13 @@ def test_missing_components_name_the_keys_to_set(pipeline, comfyui_vae, tmp_path
       HunyuanVideoEncoders.load(diffusers_path=pipeline, vae_path=str(cut))
 
 
-def test_the_transformer_layouts_hold_the_same_tensors(tmp_path):
+def test_the_transformer_formats_hold_the_same_tensors(tmp_path):
   model = hunyuan_video.build_tiny(seed=3)
-  layouts = hunyuan_video.save_tiny(model, str(tmp_path))
-  official = torch.load(layouts["official"], weights_only=True)["module"]
-  assert layouts["official"] == f"{tmp_path}/ckpts/{hunyuan_video.OFFICIAL_TRANSFORMER}"
+  formats = hunyuan_video.save_tiny(model, str(tmp_path))
+  official = torch.load(formats["official"], weights_only=True)["module"]
+  assert formats["official"] == f"{tmp_path}/ckpts/{hunyuan_video.OFFICIAL_TRANSFORMER}"
   assert "double_blocks.0.img_attn_qkv.weight" in official
-  comfyui, prefixed = load_file(layouts["single_file"]), load_file(layouts["single_file_prefixed"])
+  comfyui, prefixed = load_file(formats["single_file"]), load_file(formats["single_file_prefixed"])
   assert sorted(prefixed) == sorted(hunyuan_video.PREFIX + k for k in official) and \
       sorted(comfyui) == sorted(official)
   for key, value in official.items():

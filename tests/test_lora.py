@@ -35,9 +35,9 @@ def randomised(adapter, seed=0):
 
 @pytest.fixture
 def loaded(tiny_model):
-  """(family, its tiny torch model, ours loaded from its diffusers layout)."""
+  """(family, its tiny torch model, ours loaded from its diffusers folder)."""
   fam = tiny_model["family"]
-  return fam, tiny_model["torch"], models.load(fam.type, tiny_model["layouts"]["diffusers"], progress=False)
+  return fam, tiny_model["torch"], models.load(fam.type, tiny_model["formats"]["diffusers"], progress=False)
 
 
 def test_a_target_that_matches_nothing_is_an_error(loaded):
@@ -158,7 +158,7 @@ def test_a_rank_above_a_targets_smaller_side_is_refused_before_the_weights_load(
   line names the target that bounds the rank, its shape and the largest rank."""
   from diffpipe_jax import train
   tiny, config = tiny_models("flux"), family_config("flux")
-  check = lambda: train.check_adapter(config, tiny["family"], tiny["layouts"]["diffusers"])
+  check = lambda: train.check_adapter(config, tiny["family"], tiny["formats"]["diffusers"])
   config.adapter.rank = 100000
   with pytest.raises(UserError, match=r"^adapter.rank=100000: at most 64 for this model, the smaller side "
                                       r"of the LoRA target single_transformer_blocks.attn.to_k \(64 x 64\)$"):

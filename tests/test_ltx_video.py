@@ -1,6 +1,6 @@
 """LTX-Video: the Flax transformer against diffusers' LTXVideoTransformer3DModel (two tiny sizes,
 odd latent grids, batch 1 and 2, per-sample and per-token timesteps, padded text, RoPE from the
-latent grid or given coordinates, every layout), its inputs' checks, bf16, its single-file table
+latent grid or given coordinates, every format), its inputs' checks, bf16, its single-file table
 and config, RoPE at the released widths, the training inputs and first-frame conditioning."""
 import copy
 import json
@@ -18,7 +18,7 @@ from diffpipe_jax.convert import table
 from diffpipe_jax.convert.tensorfile import TensorFiles, write_safetensors
 from diffpipe_jax.models import layers, ltx_video as ltx
 
-LAYOUTS = ("diffusers", "diffusers_sharded", "single_file", "single_file_prefixed")
+FORMATS = ("diffusers", "diffusers_sharded", "single_file", "single_file_prefixed")
 # The torch side's tiny model (4 heads of 8: 32 % 6 = 2 RoPE padding channels, as 2048 has),
 # and one of 3 heads of 8 (24 % 6 = 0: no padding).
 VARIANTS = {"padded": dict(seed=1),
@@ -43,7 +43,7 @@ def checkpoints(tiny_models):
 
 @pytest.fixture(scope="module")
 def loaded(checkpoints):
-  return {name: models.load("ltx-video", c["layouts"]["diffusers"], progress=False)
+  return {name: models.load("ltx-video", c["formats"]["diffusers"], progress=False)
           for name, c in checkpoints.items()}
 
 
@@ -97,31 +97,31 @@ def test_parity_with_diffusers(checkpoints, loaded, variant, grid, batch, timest
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_layout_loads_the_same_model(checkpoints, loaded, variant):
-  """Each layout gives the diffusers folder's config and weights, and diffusers' output; the
+def test_every_format_loads_the_same_model(checkpoints, loaded, variant):
+  """Each format gives the diffusers folder's config and weights, and diffusers' output; the
   single file with the VAE beside (whose `vae.` tensors the loader leaves) tells the head
   count by its metadata."""
   want = loaded[variant]
   inputs = ltx.random_inputs(want.config, 2, 2, 3, 5, seed=7)
   ref = torch_forward(checkpoints[variant]["torch"], inputs)
-  for layout in LAYOUTS:
-    model = models.load("ltx-video", checkpoints[variant]["layouts"][layout], progress=False)
-    assert model.config == want.config, layout
+  for format in FORMATS:
+    model = models.load("ltx-video", checkpoints[variant]["formats"][format], progress=False)
+    assert model.config == want.config, format
     jax.tree.map(np.testing.assert_array_equal, model.params, want.params)
-    assert_close(model(**inputs), ref, what=layout)
+    assert_close(model(**inputs), ref, what=format)
 
 
 def test_vae_keys_are_ignored_unprefixed_too(checkpoints, tmp_path):
   """diffusers also takes the transformer unprefixed beside `vae.` tensors: so do we."""
-  layouts = checkpoints["padded"]["layouts"]
-  prefixed = TensorFiles([layouts["single_file_prefixed"]])
+  formats = checkpoints["padded"]["formats"]
+  prefixed = TensorFiles([formats["single_file_prefixed"]])
   tensors = {k.removeprefix("model.diffusion_model."): np.array(prefixed[k])
              for k in prefixed.keys()}
   assert any(k.startswith("vae.") for k in tensors)
   path = str(tmp_path / "unprefixed.safetensors")
   write_safetensors(tensors, path, metadata=prefixed.metadata)
   model = models.load("ltx-video", path, progress=False)
-  want = models.load("ltx-video", layouts["diffusers"], progress=False)
+  want = models.load("ltx-video", formats["diffusers"], progress=False)
   assert model.config == want.config
   jax.tree.map(np.testing.assert_array_equal, model.params, want.params)
 
@@ -198,7 +198,7 @@ def test_inputs_are_checked(loaded):
 def test_bfloat16_params_and_compute(checkpoints):
   """In bf16 we stay as close to the float32 reference as diffusers' own bf16 forward does, on
   average over samples and timesteps (one sample's error is a matter of luck: 0.7x to 2x)."""
-  m = models.load("ltx-video", checkpoints["padded"]["layouts"]["single_file_prefixed"],
+  m = models.load("ltx-video", checkpoints["padded"]["formats"]["single_file_prefixed"],
                   dtype=jnp.bfloat16, progress=False)
   assert m.params["transformer_blocks"]["attn1"]["to_q"]["kernel"].dtype == jnp.bfloat16
   model, ours, theirs = checkpoints["padded"]["torch"], [], []

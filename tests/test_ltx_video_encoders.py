@@ -22,7 +22,7 @@ LONG = "a slow pan over a red and green pattern " * 8  # past the 128 tokens of 
 
 @pytest.fixture(scope="module")
 def single_file(pipe, tmp_path_factory):
-  """The pipeline's transformer and VAE in Lightricks' released layout."""
+  """The pipeline's transformer and VAE in Lightricks' released format."""
   path = tmp_path_factory.mktemp("single") / "ltx-video-2b-v0.9.1.safetensors"
   return ltx_video.save_single_file(pipe.transformer, str(path), vae=pipe.vae)
 
@@ -120,12 +120,12 @@ def assert_same_tensors(got, want):
     assert torch.equal(got[key], value), key
 
 
-@pytest.mark.parametrize("layout", ["single_file", "single_file_prefixed"])
-def test_our_single_files_load_back_exactly_in_diffusers(tiny_models, layout):
+@pytest.mark.parametrize("format", ["single_file", "single_file_prefixed"])
+def test_our_single_files_load_back_exactly_in_diffusers(tiny_models, format):
   """The Lightricks names we write are diffusers' renames inverted: its own conversion (as
   `from_single_file` runs it) gives back every tensor, unprefixed or prefixed with the VAE."""
   model = tiny_models("ltx-video")
-  path, folder = model["layouts"][layout], model["layouts"]["diffusers"]
+  path, folder = model["formats"][format], model["formats"]["diffusers"]
   want = model["torch"].state_dict()
   assert_same_tensors(single_file_utils.convert_ltx_transformer_checkpoint_to_diffusers(
       load_file(path)), want)

@@ -1,4 +1,4 @@
-"""Every family (its tiny model, `conftest.tiny_model`): loading from each of its layouts gives
+"""Every family (its tiny model, `conftest.tiny_model`): loading from each of its formats gives
 diffusers' forward, one leaf at a time; bad checkpoints are one clear error; and the family
 record is complete while generic code never names a family."""
 import json
@@ -37,26 +37,26 @@ def torch_forward(model, inputs):
                  return_dict=False)[0].numpy()
 
 
-def test_every_layout_loads_and_matches_diffusers(tiny_model):
-  fam, layouts = tiny_model["family"], tiny_model["layouts"]
-  assert "diffusers" in layouts and (fam.single_file is None) == ("single_file" not in layouts)
-  sharded = os.path.join(layouts["diffusers_sharded"], "transformer")
+def test_every_format_loads_and_matches_diffusers(tiny_model):
+  fam, formats = tiny_model["family"], tiny_model["formats"]
+  assert "diffusers" in formats and (fam.single_file is None) == ("single_file" not in formats)
+  sharded = os.path.join(formats["diffusers_sharded"], "transformer")
   assert any(f.endswith(".index.json") for f in os.listdir(sharded))  # the shards are tested
   configs = set()
-  for layout, path in layouts.items():
+  for format, path in formats.items():
     model = models.load(fam.type, path, progress=False)
     inputs = fam.random_inputs(model.config, batch=2, seed=3)
     ref = torch_forward(tiny_model["torch"], inputs)
-    assert_close(model(**inputs), ref, what=layout)
+    assert_close(model(**inputs), ref, what=format)
     configs.add(model.config)
-  assert len(configs) == 1, configs  # every layout tells the same sizes
+  assert len(configs) == 1, configs  # every format tells the same sizes
 
 
 def test_loading_holds_the_stored_leaves_and_one_more(tiny_model):
   """Leaves come largest first, and when each is handed on (to float8 storage, say) nothing else
-  is in flight: its torch-layout copy is gone once it is transposed."""
+  is in flight: its torch-order copy is gone once it is transposed."""
   fam = tiny_model["family"]
-  checkpoint = convert.open_checkpoint(fam, tiny_model["layouts"]["diffusers"])
+  checkpoint = convert.open_checkpoint(fam, tiny_model["formats"]["diffusers"])
   abstract = models.abstract_params(fam, fam.make_module(checkpoint.config), checkpoint.config)
   live = lambda: sum(a.nbytes for a in jax.live_arrays())
   before, stored = live(), []
@@ -89,21 +89,21 @@ def test_wrong_model_single_file(tiny_model, tmp_path):
     models.load(fam.type, path)
 
 
-def copied_folder(layouts, root):
-  """A copy of the diffusers layout at `root` to break, and its transformer's weights file."""
-  shutil.copytree(layouts["diffusers"], root)
+def copied_folder(formats, root):
+  """A copy of the diffusers folder at `root` to break, and its transformer's weights file."""
+  shutil.copytree(formats["diffusers"], root)
   return root, root / "transformer" / "diffusion_pytorch_model.safetensors"
 
 
 def test_truncated_file(tiny_model, tmp_path):
   """A cut download, in a diffusers folder or as a single file: one error that says so; a file
   of another format (a torch zip archive) is not called truncated."""
-  fam, layouts = tiny_model["family"], tiny_model["layouts"]
-  folder, weights = copied_folder(layouts, tmp_path / "folder")
+  fam, formats = tiny_model["family"], tiny_model["formats"]
+  folder, weights = copied_folder(formats, tmp_path / "folder")
   cases = {str(folder): (weights, weights.read_bytes())}
-  if "single_file" in layouts:
+  if "single_file" in formats:
     cases[str(tmp_path / "cut.safetensors")] = (tmp_path / "cut.safetensors",
-                                                open(layouts["single_file"], "rb").read())
+                                                open(formats["single_file"], "rb").read())
   for path, (target, data) in cases.items():
     target.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated"):
@@ -117,8 +117,8 @@ def test_truncated_file(tiny_model, tmp_path):
 
 
 def test_missing_unexpected_and_misshaped_keys(tiny_model, tmp_path):
-  fam, layouts = tiny_model["family"], tiny_model["layouts"]
-  root, weights = copied_folder(layouts, tmp_path / "p")
+  fam, formats = tiny_model["family"], tiny_model["formats"]
+  root, weights = copied_folder(formats, tmp_path / "p")
   files = TensorFiles([str(weights)])
   tensors = {k: np.array(files[k]) for k in files.keys()}
   # a tensor of a stacked block (`<stack>.1.`), and a bias outside every block
@@ -139,8 +139,8 @@ def test_missing_unexpected_and_misshaped_keys(tiny_model, tmp_path):
 
 
 def test_diffusers_config_that_does_not_match_weights(tiny_model, tmp_path):
-  fam, layouts = tiny_model["family"], tiny_model["layouts"]
-  root, _ = copied_folder(layouts, tmp_path / "p")
+  fam, formats = tiny_model["family"], tiny_model["formats"]
+  root, _ = copied_folder(formats, tmp_path / "p")
   cfg_path = root / "transformer" / "config.json"
   cfg = json.loads(cfg_path.read_text())
   # one more block in the first stack: its config key is the one that holds its depth
@@ -176,7 +176,7 @@ def test_a_family_record_is_complete_or_fails_at_import(tiny_model):
 
 
 def tiny_model_config(tiny_model):
-  return models.checkpoint_config(tiny_model["family"].type, tiny_model["layouts"]["diffusers"])
+  return models.checkpoint_config(tiny_model["family"].type, tiny_model["formats"]["diffusers"])
 
 
 def test_generic_modules_name_no_family():

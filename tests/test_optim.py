@@ -171,28 +171,28 @@ def test_optimizer_type_rule():
 
 
 @pytest.mark.parametrize("kind", optim.OPTIMIZERS)
-def test_optimizer_state_in_every_layout(kind):
-  """The state is laid out as the LoRA (per pipeline stage), and its updates there are those of
-  the plain layer layout, on the second step too (read from the state). (The programs differ:
+def test_optimizer_state_in_every_placement(kind):
+  """The state is placed as the LoRA (per pipeline stage), and its updates there are those of
+  the stacked form, on the second step too (read from the state). (The programs differ:
   with 8-bit moments, a float8 code may round the other way.) Unrolled, the training state's
   LoRA is stored per layer, its optimizer state stacked, as the update reads it."""
   shapes = {"blocks": {"lora_A": (5, 256, 16), "lora_B": (5, 16, 64)}, "proj": {"lora_A": (64, 4)}}
   lora, grads = random_tree(8, shapes), [random_tree(9, shapes), random_tree(10, shapes)]
   tx, _ = optim.make(config(kind, "bfloat16"), 100)
   plan = pipeline_lib.make_plan([("blocks", 5, 1.0)], stages=2, microbatches=2)
-  layouts = [sharding.Layout(None, ("blocks",)), sharding.Layout(None, ("blocks",), plan)]
-  unrolled = sharding.Layout(None, ("blocks",), unrolled=True).to_stages(
+  placements = [sharding.Placement(None, ("blocks",)), sharding.Placement(None, ("blocks",), plan)]
+  unrolled = sharding.Placement(None, ("blocks",), unrolled=True).to_stages(
       dict(lora=lora, opt_state=tx.init(lora)))
   assert all(isinstance(a, stacks.LayerArrays) for a in unrolled["lora"]["blocks"].values())
   assert jax.tree.structure(unrolled["opt_state"]) == jax.tree.structure(tx.init(lora))
 
-  def second_update(layout):
-    params = layout.to_stages(optax.tree.cast(lora, jnp.bfloat16))
-    state = layout.to_stages(tx.init(layout.to_layers(params)))
+  def second_update(placement):
+    params = placement.to_stages(optax.tree.cast(lora, jnp.bfloat16))
+    state = placement.to_stages(tx.init(placement.to_layers(params)))
     for g in grads:
-      u, state = tx.update(layout.to_stages(g), state, params)
-    return layout.to_layers(u)
-  plain, staged = (jax.jit(second_update, static_argnums=0)(layout) for layout in layouts)
+      u, state = tx.update(placement.to_stages(g), state, params)
+    return placement.to_layers(u)
+  plain, staged = (jax.jit(second_update, static_argnums=0)(placement) for placement in placements)
   # an 8-bit moment whose code rounds the other way moves its entry of the update by up to 1/8
   # (3 mantissa bits): ~8e-4 of the 26,000 entries' norm, 1e-2 for some 150 of them
   assert_close(staged, plain, bound=1e-2 if kind == "adamw8bit" else FLOAT32_REORDERING)

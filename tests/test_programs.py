@@ -41,13 +41,13 @@ def arguments(n_layers, width, seed=0):
   return adapter, [normal(width, width) for _ in range(n_layers)], normal(3, width), jnp.float32(0.5)
 
 
-def test_split_function_gives_jax_value_and_gradient():
+def test_per_block_gives_jax_value_and_gradient():
   args = arguments(4, 8)
   want_value, want_grad = jax.value_and_grad(model)(*args)
   value, grad = programs.value_and_grad(model)(*args)
   assert_close(value, want_value, what="value")
   assert_close(grad, want_grad, what="gradient")
-  assert_close(programs.split(model)(*args), model(*args), what="split value")
+  assert_close(programs.per_block(model)(*args), model(*args), what="per_block value")
 
 
 @pytest.mark.parametrize("remat", [None, jax.checkpoint_policies.nothing_saveable])
@@ -108,7 +108,7 @@ def test_remat_blocks_keep_no_residuals_and_host_weights_are_copied_once_a_pass(
     assert_close(value, want_value, what="value")
     assert_close(grad, want_grad, what="gradient")
     copied.clear()
-    assert_close(programs.split(fn)(args[0], weights, *args[2:]), want_value, what="split value")
+    assert_close(programs.per_block(fn)(args[0], weights, *args[2:]), want_value, what="per_block value")
     assert copied == ["pinned_host"] * len(swapped), copied
 
 
@@ -145,7 +145,7 @@ def test_values_ahead_of_calls_are_computed_once_for_every_call():
   for n, t in enumerate(ts):
     want = modulated_model(weights, x, t)
     assert_close(call(values[n], weights, x, t), want, what="call")
-    assert_close(programs.split(loop.call)(values[n], weights, x, t), want, what="split call")
+    assert_close(programs.per_block(loop.call)(values[n], weights, x, t), want, what="per_block call")
   eqns = list(jaxpr_equations(jax.make_jaxpr(loop.call)(values[0], weights, x, ts[0]).jaxpr))
   assert sum(e.primitive.name == "dot_general" for e in eqns) == n_layers  # x @ w[:, :d] only
   assert sum(e.params.get("name") == programs.AHEAD for e in eqns) == n_layers  # mean(x)

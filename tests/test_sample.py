@@ -123,7 +123,7 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
   steps, none in a step; the steps as programs per block over unrolled layers (as the sampling
   command runs them) give the latents of one program a step over scanned layers."""
   fam = tiny_model["family"]
-  name, path = fam.type, tiny_model["layouts"]["diffusers"]
+  name, path = fam.type, tiny_model["formats"]["diffusers"]
   cfg = models.checkpoint_config(name, path)
   model_config = family_config(name).model
   batch = fam.random_batch(cfg, 2)
@@ -146,11 +146,12 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
   assert len(step_args[0]) == marked(jax.make_jaxpr(forward)(params)) > 0  # a value a mark
   assert marked(steps.step.trace(*step_args).jaxpr) == 0
 
-  layout = sharding.make_layout(sharding.make_mesh(1, jax.devices()[:1]), fam.stacks(cfg), 1,
-                                unrolled=True)
-  unrolled = models.load(name, path, runtime=runtime.Runtime.of(layout), layout=layout, progress=False)
-  split = sampling.step_fn(unrolled, model_config, 4.0)
-  assert_close(draw(unrolled, sampling.Steps(record(split.ahead), record(split.step))), latents)
+  placement = sharding.make_placement(sharding.make_mesh(1, jax.devices()[:1]), fam.stacks(cfg), 1,
+                                      unrolled=True)
+  unrolled = models.load(name, path, runtime=runtime.Runtime.of(placement), placement=placement,
+                         progress=False)
+  per_block = sampling.step_fn(unrolled, model_config, 4.0)
+  assert_close(draw(unrolled, sampling.Steps(record(per_block.ahead), record(per_block.step))), latents)
   # ... whose layers still share their stack's program
   forward = lambda p: unrolled.runtime.apply(unrolled.module, {"params": p}, **fam.training_inputs(
       model_config, cfg, rows, latents_of_rows, jnp.ones(len(latents_of_rows))))
@@ -162,7 +163,7 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
 
 def test_a_lora_file_is_read_with_its_own_targets_rank_and_alpha(tiny_models, tmp_path):
   tiny = tiny_models("flux")
-  fam, model = tiny["family"], models.load("flux", tiny["layouts"]["diffusers"], progress=False)
+  fam, model = tiny["family"], models.load("flux", tiny["formats"]["diffusers"], progress=False)
   part = randomised_adapter(model.params, fam, [r"transformer_blocks\.attn\.to_q",
                                                 r"single_transformer_blocks\.proj_out"], 3, 1)
   path = lora.save(part, str(tmp_path / "part"), fam, 3, np.float32)
@@ -177,13 +178,13 @@ def test_a_lora_file_is_read_with_its_own_targets_rank_and_alpha(tiny_models, tm
   np.testing.assert_allclose(doubled["transformer_blocks"]["attn.to_q"]["lora_B"],
                              2 * part["transformer_blocks"]["attn.to_q"]["lora_B"], rtol=1e-6)
   with pytest.raises(ValueError, match="holds no transformer.*lora_A/B weights"):
-    lora.read(str(tiny["layouts"]["diffusers"] + "/transformer/diffusion_pytorch_model.safetensors"),
+    lora.read(str(tiny["formats"]["diffusers"] + "/transformer/diffusion_pytorch_model.safetensors"),
               model.params, fam)
 
 
 def test_loras_combine_into_the_sum_of_their_updates(tiny_models):
   tiny = tiny_models("flux")
-  fam, model = tiny["family"], models.load("flux", tiny["layouts"]["diffusers"], progress=False)
+  fam, model = tiny["family"], models.load("flux", tiny["formats"]["diffusers"], progress=False)
   a = randomised_adapter(model.params, fam, fam.lora_targets, 4, 1)
   b = randomised_adapter(model.params, fam, [r"transformer_blocks\.attn\.to_q"], 2, 7)
   combined = lora.combine([lora.scaled(a, 0.5), b])
@@ -203,7 +204,7 @@ def test_the_sampling_command_draws_with_loras(tmp_path, tiny_models, monkeypatc
   from diffpipe_jax.errors import UserError
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   tiny = tiny_models("flux")
-  model = models.load("flux", tiny["layouts"]["diffusers"], progress=False)
+  model = models.load("flux", tiny["formats"]["diffusers"], progress=False)
   path = lora.save(randomised_adapter(model.params, tiny["family"], tiny["family"].lora_targets, 4, 3),
                    str(tmp_path / "lora"), tiny["family"], 4, np.float32)
   run = subprocess.run(

@@ -1,5 +1,5 @@
 """Multi-device training on 8 fake CPU devices, against the single-device result; the pipeline
-plan, diffusion-pipe's stage boundaries (partition_split) and the storage layout."""
+plan, diffusion-pipe's stage boundaries (partition_split) and the storage per stage."""
 import ast
 import glob
 import os
@@ -26,16 +26,16 @@ DIFFUSION_PIPE_LAYERS = {"flux": 59, "hunyuan-video": 63, "ltx-video": 30}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_every_layout_matches_one_device(tiny_models, name):
+def test_every_placement_matches_one_device(tiny_models, name):
   """Data parallelism, pipelines of 2 and 8 stages, sequence parallelism over 4 devices and over
   2 with 2 data-parallel pipelines of 2 stages (2 x 2 x 2) for every family, token counts that
   do not divide by 4; the machinery's family also unrolled, over 8 data-parallel devices and
   over 8 sequence-parallel ones; Flux also over 2 sequence-parallel devices, and its two stages
   at diffusion-pipe's stage boundaries (`partition_split`)."""
   extra = {MACHINERY_FAMILY: ",8x1u,1x1x8u", "flux": ",1x1x2"}.get(name, "")
-  layouts = f"2x1,{TWO_STAGES.get(name, '1x2')},1x8,1x1x4,2x2x2{extra}"
+  placements = f"2x1,{TWO_STAGES.get(name, '1x2')},1x8,1x1x4,2x2x2{extra}"
   out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "multidevice_check.py"), name,
-                        tiny_models(name)["layouts"]["diffusers"], layouts],
+                        tiny_models(name)["formats"]["diffusers"], placements],
                        env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True)
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout

@@ -1,5 +1,5 @@
-"""The bound of tests/tolerances.py catches real mistakes: each below is one that a layout, a
-program split or a conversion could make, in one layer, and is over the bound by 100x at least
+"""The bound of tests/tolerances.py catches real mistakes: each below is one that a placement,
+programs per block or a conversion could make, in one layer, and is over the bound by 100x at least
 (where rounding stays 5x under it)."""
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ def test_q_and_k_exchanged_in_one_block_fail(flux, adapter, forward):
 
 
 def test_a_lora_a_layer_off_fails(flux, adapter, forward):
-  """One module's LoRA in each block applied to the next block's (a layout's layer order off by
+  """One module's LoRA in each block applied to the next block's (a placement's layer order off by
   one)."""
   block = adapter[STACK]
   rolled = dict(block, **{"attn.to_q": jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), block["attn.to_q"])})

@@ -1,6 +1,6 @@
 """LoRA training end to end, for every family (`conftest.FAMILIES`): the step learns, exports load
 in diffusers, every remat, unrolled and swapped mode gives the same gradients, runs resume
-exactly across layouts, and `train.run` runs in-process."""
+exactly across placements, and `train.run` runs in-process."""
 import copy
 import dataclasses
 import errno
@@ -90,8 +90,8 @@ def trained_adapter(model, config, steps, samples=2):
 
 @pytest.fixture
 def loaded(tiny_model):
-  """(its tiny torch model, ours loaded from its diffusers layout, that path)."""
-  path = tiny_model["layouts"]["diffusers"]
+  """(its tiny torch model, ours loaded from its diffusers folder, that path)."""
+  path = tiny_model["formats"]["diffusers"]
   return tiny_model["torch"], models.load(tiny_model["family"].type, path, progress=False), path
 
 
@@ -280,11 +280,11 @@ def test_resume_gives_the_same_run(tmp_path, monkeypatch, capsys, name):
   assert_close(final_b, final_a, bound=1e-3, what="the final LoRA")
 
   if name == MACHINERY_FAMILY:  # a family's own stacks over stages: tests/multidevice_check.py
-    resumes_across_layouts(tmp_path, name, args, losses_a)
+    resumes_across_placements(tmp_path, name, args, losses_a)
 
 
-def resumes_across_layouts(tmp_path, name, args, losses_a):
-  """The run of `test_resume_gives_the_same_run` (its losses `losses_a`) again across layouts."""
+def resumes_across_placements(tmp_path, name, args, losses_a):
+  """The run of `test_resume_gives_the_same_run` (its losses `losses_a`) again across placements."""
   fam = family_lib.get(name)
   path = fam.checkpoint_path(tiny_config(name).model)
   # 5 steps on a 2-stage pipeline, each stage's tokens split over 2 devices (sequence
@@ -492,7 +492,7 @@ def host_copies(jaxpr):
 def test_remat_policies_and_unrolled_layers_give_the_same_gradients(loaded):
   """Each activation_checkpointing value in a scan, and no remat unrolled, against no remat in a
   scan: same loss and gradients. Remat must shrink the temporaries, and "block_offload" must send
-  each block's input [B, tokens, D] to host memory. Unrolled, the layout stores every stacked
+  each block's input [B, tokens, D] to host memory. Unrolled, the placement stores every stacked
   leaf per layer, so that no stacked weight or LoRA (nor a slice of one) is in the program; the
   trainer runs it split into programs per block (`programs`), which must give the same."""
   _, model, path = loaded
@@ -501,7 +501,7 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(loaded):
   adapter = lora.init(model.params, fam.lora_targets, 4, jnp.float32, jax.random.key(0))
   adapter = jax.tree.map(lambda a: a + 0.01, adapter)  # B != 0: every gradient is nonzero
   inputs = (jax.tree.map(lambda x: x[None], batch), jax.random.split(jax.random.key(1), 1))
-  unrolled = sharding.make_layout(sharding.make_mesh(1), fam.stacks(model.config), 1, unrolled=True)
+  unrolled = sharding.make_placement(sharding.make_mesh(1), fam.stacks(model.config), 1, unrolled=True)
   stacked_shapes = {a.shape for n in fam.stacked for a in jax.tree.leaves((model.params[n], adapter[n]))
                     if a.ndim >= 3}  # the kernels and LoRA matrices
   config = tiny_config(fam.type)
@@ -512,11 +512,11 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(loaded):
       args = (adapter, model.params, *inputs)
       grads = training_step.grad_fn(run, config)
     else:
-      run = models.load(fam.type, path, runtime=runtime.Runtime.of(unrolled), layout=unrolled,
+      run = models.load(fam.type, path, runtime=runtime.Runtime.of(unrolled), placement=unrolled,
                         progress=False)
       args = (unrolled.to_stages(adapter), run.params, *inputs)
       loss, g = training_step.grad_fn(run, config)(*args)
-      results["split", False] = loss, unrolled.to_layers(g)
+      results["per block", False] = loss, unrolled.to_layers(g)
       # the unrolled layers jitted whole, one program of every layer
       loss_and_grad = jax.value_and_grad(functools.partial(training_step.loss_fn, model=run, config=config))
       grads = lambda adapter, params, batches, keys: loss_and_grad(
@@ -545,17 +545,17 @@ def test_the_unrolled_step_reads_the_lora_in_the_compute_dtype(tiny_models, name
   """Unrolled, the step's programs read the LoRA converted once to the compute dtype (by the
   update that made it): the same loss and gradient as from the float32 LoRA, and two steps
   equal the updates applied by hand to the float32 LoRA's gradients."""
-  fam, path = family_lib.get(name), tiny_models(name)["layouts"]["diffusers"]
-  layout = sharding.make_layout(sharding.make_mesh(1), fam.stacks(models.checkpoint_config(
+  fam, path = family_lib.get(name), tiny_models(name)["formats"]["diffusers"]
+  placement = sharding.make_placement(sharding.make_mesh(1), fam.stacks(models.checkpoint_config(
       fam.type, path)), 1, unrolled=True)
-  model = models.load(fam.type, path, dtype=jnp.bfloat16, runtime=runtime.Runtime.of(layout),
-                      layout=layout, progress=False)
+  model = models.load(fam.type, path, dtype=jnp.bfloat16, runtime=runtime.Runtime.of(placement),
+                      placement=placement, progress=False)
   config = tiny_config(fam.type)
   tx, _ = optim.make(config, 10)
   layer_params = models.abstract_params(fam, model.module, model.config)
   adapter = jax.tree.map(lambda a: a + 0.01, lora.init(layer_params, fam.lora_targets, 4,
                                                        jnp.float32, jax.random.key(0)))
-  state = layout.create(functools.partial(training_step.init_state, layer_params=layer_params,
+  state = placement.create(functools.partial(training_step.init_state, layer_params=layer_params,
                                           config=config, tx=tx, family=fam), None, adapter)
   batches = [jax.tree.map(lambda x: x[None], fam.random_batch(model.config, 2, seed=s)) for s in (0, 1)]
   keys = [jax.random.split(jax.random.key(s), 1) for s in (0, 1)]
@@ -568,14 +568,14 @@ def test_the_unrolled_step_reads_the_lora_in_the_compute_dtype(tiny_models, name
     np.testing.assert_array_equal(g.astype(jnp.float32), w)
 
   by_hand = jax.jit(functools.partial(training_step.apply_gradients, tx=tx))
-  plain = layout.to_layers(state)
+  plain = placement.to_layers(state)
   for batch, key in zip(batches, keys):
-    loss, g = grads(layout.to_stages(plain["lora"]), model.params, batch, key)
-    plain, _ = by_hand(plain, loss, layout.to_layers(g))
-  step = training_step.make_step(model, config, tx, layout)
+    loss, g = grads(placement.to_stages(plain["lora"]), model.params, batch, key)
+    plain, _ = by_hand(plain, loss, placement.to_layers(g))
+  step = training_step.make_step(model, config, tx, placement)
   for s, batch in enumerate(batches):
     state, _ = step(state, model.params, batch, jax.random.key(s))  # its keys: `keys`
-  assert_close(layout.to_layers(state["lora"]), plain["lora"])
+  assert_close(placement.to_layers(state["lora"]), plain["lora"])
 
 
 def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
@@ -595,35 +595,35 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
   # one block; unrolled, each layer's weights an array of their own (`programs` copies them)
   for remat, swap, scanned in (("block", 0, True), ("none", 2, True), ("block", most, True),
                                ("block", most, False), ("none", 2, False)):
-    layout = sharding.make_layout(mesh, block_stacks, 1, swap, unrolled=not scanned)
-    model = models.load(fam.type, path, runtime=runtime.Runtime.of(layout, remat), layout=layout,
-                        progress=False)
-    assert layout.swap == sharding.swapped_layers(block_stacks, swap)
+    placement = sharding.make_placement(mesh, block_stacks, 1, swap, unrolled=not scanned)
+    model = models.load(fam.type, path, runtime=runtime.Runtime.of(placement, remat),
+                        placement=placement, progress=False)
+    assert placement.swap == sharding.swapped_layers(block_stacks, swap)
     if not results:
       abstract = models.abstract_params(fam, model.module, model.config)
       batch = fam.random_batch(model.config, 2, seed=0)
       adapter = lora.init(abstract, fam.lora_targets, 4, jnp.float32, jax.random.key(0))
       adapter = jax.tree.map(lambda a: a + 0.01, adapter)
-    args = (layout.to_stages(adapter), model.params, jax.tree.map(lambda x: x[None], batch),
+    args = (placement.to_stages(adapter), model.params, jax.tree.map(lambda x: x[None], batch),
             jax.random.split(jax.random.key(1), 1))
     if swap == most:  # disable_block_swap_for_eval: the evals on a device copy, the same losses
-      on_device = loop.eval_weights(model.params, dict(disable_block_swap_for_eval=True), layout)
+      on_device = loop.eval_weights(model.params, dict(disable_block_swap_for_eval=True), placement)
       assert all(a.sharding.memory_kind == "device" for a in jax.tree.leaves(on_device))
       evaluate = training_step.make_eval(model, config)
       assert_close(evaluate(args[0], on_device, batch, jax.random.key(2)),
                    evaluate(args[0], model.params, batch, jax.random.key(2)), what="eval loss")
     if not scanned:
       lengths = {name: length for name, length, _ in block_stacks}
-      for name, n in layout.swap:
+      for name, n in placement.swap:
         want = [i in stacks.swap_positions(lengths[name], n) for i in range(lengths[name])]
         for leaf in jax.tree.leaves(model.params[name], is_leaf=is_layer_arrays):
           assert [a.sharding.memory_kind == "pinned_host" for a in leaf.arrays] == want, (name, n)
       loss, g = training_step.grad_fn(model, config)(*args)
-      results[remat, swap, scanned] = loss, layout.to_layers(g)
+      results[remat, swap, scanned] = loss, placement.to_layers(g)
       continue
     swapped = swapped_stacks(model.params)
-    assert [host_layers(model.params[name]) for name, _ in layout.swap] == [n for _, n in layout.swap]
-    assert len(swapped) == len(layout.swap)
+    assert [host_layers(model.params[name]) for name, _ in placement.swap] == [n for _, n in placement.swap]
+    assert len(swapped) == len(placement.swap)
     assert all(h.sharding.memory_kind == "pinned_host" for s in swapped for h in s.pinned_host)
     assert all(a.sharding.memory_kind == "device" for s in swapped for a in jax.tree.leaves(s.device))
     grads = training_step.grad_fn(model, config)
@@ -645,8 +645,8 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
   # created in place (random init): the same weights, split the same way; the forward pass
   # of unrolled layers runs as programs per block
   plain, split, unrolled = (models.init_random(
-      fam.type, cfg, jax.random.key(3), runtime=runtime.Runtime.of(layout), layout=layout)
-      for layout in (sharding.make_layout(mesh, block_stacks, 1, swap, unrolled)
+      fam.type, cfg, jax.random.key(3), runtime=runtime.Runtime.of(placement), placement=placement)
+      for placement in (sharding.make_placement(mesh, block_stacks, 1, swap, unrolled)
                      for swap, unrolled in ((0, False), (most, False), (most, True))))
   for name, n in sharding.swapped_layers(block_stacks, most):
     assert len(split.params[name].pinned_host) == n
@@ -654,7 +654,7 @@ def test_swapped_blocks_stay_in_host_memory_and_give_the_same_gradients(loaded):
   for model in (split, unrolled):
     assert_close(model(**inputs), plain(**inputs))
   with pytest.raises(ValueError, match=f"the model has {most + 1} blocks"):
-    sharding.make_layout(mesh, block_stacks, 1, most + 2)
+    sharding.make_placement(mesh, block_stacks, 1, most + 2)
   with pytest.raises(ValueError, match="blocks_to_swap needs pipeline_stages=1"):
     runtime.remat_policy("block", pipelined=True, swapped=True)
 

@@ -30,7 +30,7 @@ def i2v(tiny_models):
 
 
 def load_all(checkpoint):
-  return {name: models.load("wan", path, progress=False) for name, path in checkpoint["layouts"].items()}
+  return {name: models.load("wan", path, progress=False) for name, path in checkpoint["formats"].items()}
 
 
 def per_token_timesteps(config, inputs, seed):
@@ -122,7 +122,7 @@ def test_a_float8_file_loads_as_the_float8_base(t2v, tmp_path):
 def test_single_file_config(t2v, tmp_path):
   """A file's head count is the released head size's; Wan-AI's config.json says it; widths of
   no released head size and the first-last-frame model are refused."""
-  folder = t2v["layouts"]["original"]
+  folder = t2v["formats"]["original"]
   with open(os.path.join(folder, "config.json")) as f:
     assert json.load(f)["num_heads"] == t2v["torch"].config.num_attention_heads
   shapes = {"patch_embedding.weight": (100, 16, 1, 2, 2), "head.head.weight": (64, 100),
@@ -134,7 +134,7 @@ def test_single_file_config(t2v, tmp_path):
   with pytest.raises(UserError, match="first-last-frame"):
     wan.config_from_single_file(dict(shapes, **{"img_emb.emb_pos": (1, 514, 1280)}), {})
   with pytest.raises(UserError, match="axes_dims_rope does not apply"):
-    models.load("wan", t2v["layouts"]["single_file"], axes_dims_rope=(44, 42, 42), progress=False)
+    models.load("wan", t2v["formats"]["single_file"], axes_dims_rope=(44, 42, 42), progress=False)
 
 
 def test_diffusers_config_values_we_do_not_implement(t2v, tmp_path):
@@ -144,7 +144,7 @@ def test_diffusers_config_values_we_do_not_implement(t2v, tmp_path):
 
 
 def test_inputs_are_checked(t2v, i2v):
-  model = models.load("wan", t2v["layouts"]["diffusers"], progress=False)
+  model = models.load("wan", t2v["formats"]["diffusers"], progress=False)
   good = wan.random_inputs(model.config, 2, 1, 2, 2, seed=1)
   with pytest.raises(TypeError, match="missing"):
     model(**{k: v for k, v in good.items() if k != "timestep"})
@@ -154,7 +154,7 @@ def test_inputs_are_checked(t2v, i2v):
     model(**dict(good, timestep=np.zeros((2, 3), np.float32)))
   with pytest.raises(ValueError, match="no I2V model"):
     model(**dict(good, encoder_hidden_states_image=np.zeros((2, 4, 8), np.float32)))
-  image_model = models.load("wan", i2v["layouts"]["diffusers"], progress=False)
+  image_model = models.load("wan", i2v["formats"]["diffusers"], progress=False)
   image_inputs = wan.random_inputs(image_model.config, 1, 1, 2, 2, seed=1)
   with pytest.raises(TypeError, match="encoder_hidden_states_image"):
     image_model(**dict(image_inputs, encoder_hidden_states_image=None))

@@ -1,6 +1,6 @@
 """Wan's PyTorch side against diffusers: the cache's latents and text embeddings are WanPipeline's
 own (its VAE and latent normalisation; `encode_prompt` with its prompt cleaning, truncation and
-zeros after each prompt), the tiny pipeline runs in WanPipeline, and every layout we write
+zeros after each prompt), the tiny pipeline runs in WanPipeline, and every format we write
 (diffusers, Wan-AI's original folder, ComfyUI's files: our inversion of diffusers' converter)
 reads back to the diffusers model through diffusers' own `convert_wan_transformer_to_diffusers`."""
 import json
@@ -181,22 +181,22 @@ def assert_same_tensors(got, want):
 
 
 @pytest.mark.parametrize("variant", ["t2v", "i2v"])
-def test_every_layout_reads_back_to_the_diffusers_model(variant, tmp_path):
+def test_every_format_reads_back_to_the_diffusers_model(variant, tmp_path):
   """Each file we write gives back every tensor: diffusers' folders through `from_pretrained`,
   Wan's original names through diffusers' converter (so our table inverts it), ComfyUI's float8
   file within float8 (its blocks' Linear weights) and bf16 (the rest) rounding."""
   model = wan.build_tiny(seed=3, **(wan.TINY_I2V if variant == "i2v" else {}))
   want = tiny.state_dict_numpy(model)
-  layouts = wan.save_tiny(model, str(tmp_path))
-  assert sorted(layouts) == ["diffusers", "diffusers_sharded", "original", "single_file",
+  formats = wan.save_tiny(model, str(tmp_path))
+  assert sorted(formats) == ["diffusers", "diffusers_sharded", "original", "single_file",
                              "single_file_prefixed"]
   for name in ("diffusers", "diffusers_sharded"):
-    loaded = WanTransformer3DModel.from_pretrained(layouts[name], subfolder="transformer")
+    loaded = WanTransformer3DModel.from_pretrained(formats[name], subfolder="transformer")
     assert_same_tensors(tiny.state_dict_numpy(loaded), want)
-  assert os.path.isfile(f"{layouts['diffusers_sharded']}/transformer/"
+  assert os.path.isfile(f"{formats['diffusers_sharded']}/transformer/"
                         "diffusion_pytorch_model.safetensors.index.json")
 
-  folder = layouts["original"]
+  folder = formats["original"]
   with open(f"{folder}/diffusion_pytorch_model.safetensors.index.json") as f:
     weight_map = json.load(f)["weight_map"]
   shards = sorted(set(weight_map.values()))
@@ -218,12 +218,12 @@ def test_every_layout_reads_back_to_the_diffusers_model(variant, tmp_path):
                     "model_type": variant, "num_heads": 3, "num_layers": 3, "out_dim": wan.TINY_Z,
                     "text_len": 512}
 
-  comfyui, prefixed = load_file(layouts["single_file"]), load_file(layouts["single_file_prefixed"])
+  comfyui, prefixed = load_file(formats["single_file"]), load_file(formats["single_file_prefixed"])
   assert_same_tensors(comfyui, original)
   assert_same_tensors(prefixed, {wan.PREFIX + k: v for k, v in original.items()})
   assert_same_tensors(diffusers_names(prefixed), want)
   for name in ("single_file", "single_file_prefixed"):  # as a user loads it, the folder's config given
-    loaded = WanTransformer3DModel.from_single_file(layouts[name], config=layouts["diffusers"],
+    loaded = WanTransformer3DModel.from_single_file(formats[name], config=formats["diffusers"],
                                                     subfolder="transformer")
     assert_same_tensors(tiny.state_dict_numpy(loaded), want)
 

@@ -3,8 +3,8 @@
 import jax
 import numpy as np
 
-# Two float32 computations of one quantity that sum in different orders (another layout or
-# program split, swapped weights, diffusers' torch, the CPU's vector width and FMA, which XLA
+# Two float32 computations of one quantity that sum in different orders (another placement or
+# programs per block, swapped weights, diffusers' torch, the CPU's vector width and FMA, which XLA
 # compiles for) differ by their roundings (eps = 1.2e-7 each), compounded through the layers, a
 # backward pass, Adam's steps. Over the whole quantity, on the tiny models, with AVX-512 and FMA as
 # with AVX alone: ours against ours at most 2e-6 (a LoRA after 3 steps; gradients 1.2e-6),

@@ -9,7 +9,7 @@
       --config.model.llm_path=... --config.model.clip_path=... --config.blocks_to_swap=40  # 24 GB
 
 Variants (the part after ':'): "" (bf16, rank 32) and "tiny" (a random tiny HunyuanVideo
-pipeline generated on first use, in diffusers' and Tencent's layouts, with a small synthetic
+pipeline generated on first use, in diffusers' and Tencent's formats, with a small synthetic
 set of captioned clips and images). Key names follow diffusion-pipe; each is declared, with its
 default and what it does, in diffpipe_jax/schema.py (the shared ones) or in
 models/hunyuan_video.py's `model_keys`. Speed and memory per setting: BENCHMARKS.md#hunyuan.

@@ -38,7 +38,7 @@ def open_checkpoint(family, path: str, axes_dims_rope=None) -> Checkpoint:
     folder = folder if os.path.isfile(os.path.join(folder, "config.json")) else path
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
-      where = f", {' or '.join(single.locations)} (the original layout)" if single and single.locations else ""
+      where = f", {' or '.join(single.locations)} (the original format)" if single and single.locations else ""
       raise CheckpointError(f"{path} holds no {family.type} model: expected transformer/config.json "
                             f"(a diffusers pipeline folder), config.json (a transformer folder){where}")
     with open(config_path) as f:

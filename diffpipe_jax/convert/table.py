@@ -6,8 +6,8 @@ Two layers, each usable in both directions (loading, and exporting LoRAs or tiny
    (diffusers' for Flux and LTX-Video, Tencent's for HunyuanVideo), so the path
    `transformer_blocks/attn.to_q/kernel` of a stacked block is the key
    `transformer_blocks.{i}.attn.to_q.weight` for layer i, with the kernel transposed (torch
-   Linear weights are (out, in)). `bias` and norm `weight` carry over as they are.
-2. Our names <-> another layout's (BFL's Flux file, a diffusers HunyuanVideo folder) is a table
+   Linear weights are (out, in): torch order). `bias` and norm `weight` carry over as they are.
+2. Our names <-> another format's (BFL's Flux file, a diffusers HunyuanVideo folder) is a table
    of `Row`s: one fused module holds several others stacked along the output rows (qkv,
    `linear1`), optionally with its two halves swapped; either side may be the checkpoint's.
 """
@@ -70,7 +70,7 @@ def flatten(tree: Mapping, prefix=()) -> Dict[Tuple[str, ...], object]:
 
 def largest_first(flat: Mapping[Tuple[str, ...], object]) -> List[Tuple[Tuple[str, ...], object]]:
   """(path, leaf) pairs, the largest leaves first: loading or creating weights in this order,
-  a leaf's temporary copies (bfloat16 before float8, torch layout before transposing) come while
+  a leaf's temporary copies (bfloat16 before float8, torch order before transposing) come while
   little else is on the device, and the peak stays near what the model finally takes."""
   return sorted(flat.items(), key=lambda item: -item[1].size * item[1].dtype.itemsize)
 
@@ -86,7 +86,7 @@ def unflatten(flat: Mapping[Tuple[str, ...], object]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# Our names <-> other layouts'.
+# Our names <-> other formats'.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -171,7 +171,7 @@ def single_file_parts(keys, rows: Sequence[Row]) -> Dict[str, Tuple[Tuple[str, .
 
 
 def to_single_file(tensors: Mapping[str, np.ndarray], rows: Sequence[Row]) -> Dict[str, np.ndarray]:
-  """Tensors named by the rows' parts (torch layout) -> named by their fused modules (diffusers
+  """Tensors named by the rows' parts (torch order) -> named by their fused modules (diffusers
   -> BFL for Flux, diffusers -> Tencent for HunyuanVideo): the inverse of `row_sources`."""
   out = {}
   for single, (parts, swap) in single_file_parts(tensors, rows).items():
@@ -246,7 +246,7 @@ def _assembled_shape(files, pieces):
 
 
 def read_tensor(files, pieces) -> np.ndarray:
-  """One of our tensors (torch layout) from its planned pieces."""
+  """One of our tensors (torch order) from its planned pieces."""
   values = [files[key] if span is None else files[key][span[0]:span[1]] for key, span in pieces]
   return values[0] if len(values) == 1 else np.concatenate(values, axis=0)
 
@@ -254,10 +254,10 @@ def read_tensor(files, pieces) -> np.ndarray:
 def load_leaves(abstract: Mapping, stacked: Sequence[str], files, sources, dtype, put,
                 keeps_float8=lambda path: False):
   """Yields (path, array) for every leaf, largest first: its layers are copied from the
-  memory-mapped files into one preallocated host buffer of the target dtype, in torch layout
+  memory-mapped files into one preallocated host buffer of the target dtype, in torch order
   (contiguous copies), which `put(path, buffer)` places (e.g. on a mesh) before the next leaf is
   read; kernels are then transposed on the device. Host memory holds one leaf at a time beside
-  the file's page cache; the device, one leaf's torch-layout copy beside what is loaded.
+  the file's page cache; the device, one leaf's torch-order copy beside what is loaded.
   A leaf whose checkpoint tensors are float8 stays float8 where `keeps_float8(path)` (a float8
   base from a float8 file: no high-precision copy on the way)."""
   for path, leaf in largest_first(flatten(abstract)):
@@ -273,7 +273,7 @@ def load_leaves(abstract: Mapping, stacked: Sequence[str], files, sources, dtype
     value = put(path, buf)
     del buf
     if path[-1] == "kernel":
-      value = _swap_last_axes(value)  # the torch-layout copy is freed, not kept beside it
+      value = _swap_last_axes(value)  # the torch-order copy is freed, not kept beside it
     yield path, value
     del value  # before the next leaf is placed
 

@@ -119,7 +119,7 @@ def torch_state_dict(path: str) -> dict:
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
   except (RuntimeError, EOFError, ValueError) as e:  # torch's own for a bad or truncated file
     raise CheckpointError(f"{path} is not a readable torch checkpoint ({_first_line(e)}); copy "
-                          "or download it again, or give the .safetensors layout") from None
+                          "or download it again, or give the .safetensors format") from None
   if isinstance(state, dict):
     state = next((state[w] for w in STATE_DICT_WRAPPERS if w in state), state)
   if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):

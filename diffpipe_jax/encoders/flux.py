@@ -1,6 +1,6 @@
 """FLUX.1's PyTorch side: its encoders for caching (AutoencoderKL latents, 2x2-packed; T5 and
 CLIP text embeddings) and the tiny random pipeline and checkpoints for tests and the embedded
-default, built with the real diffusers classes and saved in the real on-disk layouts."""
+default, built with the real diffusers classes and saved in the real on-disk formats."""
 import os
 
 import numpy as np
@@ -146,7 +146,7 @@ def build_tiny(seed=0, **overrides):
 
 
 def save_single_file(model, path, prefix=""):
-  """Writes the BFL single-file layout through our reversible conversion table."""
+  """Writes the BFL single-file format through our reversible conversion table."""
   tensors = table.to_single_file(tiny.state_dict_numpy(model), flux.SINGLE_FILE_TABLE)
   write_safetensors({prefix + k: v for k, v in tensors.items()}, path)
   return path
@@ -189,7 +189,7 @@ def write_tiny_pipeline(root, seed=0):
 
 
 def save_tiny(model, root) -> dict:
-  """`model` in every layout `models.load` takes: a diffusers folder (one file, and sharded
+  """`model` in every format `models.load` takes: a diffusers folder (one file, and sharded
   with an index), the BFL single file, and the same with ComfyUI's key prefix."""
   return dict(diffusers=tiny.save_diffusers(model, os.path.join(root, "pipeline")),
               diffusers_sharded=tiny.save_diffusers(model, os.path.join(root, "sharded"),

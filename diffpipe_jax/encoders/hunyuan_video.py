@@ -1,7 +1,7 @@
 """HunyuanVideo's PyTorch side: its encoders for caching (causal 3D VAE latents, unpacked; LLaMA
 hidden states in Tencent's prompt templates with their mask; CLIP-L pooled output) and the tiny
 random pipeline and checkpoints for tests and the embedded default, built with the real diffusers
-and transformers classes and saved in the real on-disk layouts: a diffusers folder, Tencent's
+and transformers classes and saved in the real on-disk formats: a diffusers folder, Tencent's
 official `ckpts/` folder, and ComfyUI's single files."""
 import contextlib
 import json
@@ -462,7 +462,7 @@ def save_official_encoders(ckpts, vae, tokenizer, llm, clip_tokenizer, clip, see
 
 
 def save_tiny(model, root) -> dict:
-  """`model` in every layout `models.load` takes: a diffusers folder (one file, and sharded with
+  """`model` in every format `models.load` takes: a diffusers folder (one file, and sharded with
   an index), Tencent's `mp_rank_00_model_states.pt`, and ComfyUI's single file, unprefixed and
   prefixed."""
   return dict(diffusers=tiny.save_diffusers(model, os.path.join(root, "pipeline")),
@@ -476,7 +476,7 @@ def save_tiny(model, root) -> dict:
 
 def write_tiny_pipeline(root, seed=0):
   """Writes a complete tiny HunyuanVideo pipeline folder (transformer, VAE, LLaMA, CLIP,
-  tokenizers, scheduler) with the real classes, and the same models in Tencent's layout in
+  tokenizers, scheduler) with the real classes, and the same models in Tencent's format in
   `root/ckpts`, for caching and end-to-end tests: `root` serves as model.diffusers_path and
   `root/ckpts` as model.ckpt_path. Returns root."""
   from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline

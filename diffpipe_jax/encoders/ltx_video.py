@@ -1,7 +1,7 @@
 """LTX-Video's PyTorch side: its encoders for caching (video VAE latents, normalised per channel
 and packed; T5 text embeddings and their mask) and the tiny random pipeline and checkpoints for
 tests and the embedded default, built with the real diffusers classes and saved in the real
-on-disk layouts: a diffusers folder, and Lightricks' single file (the transformer, or transformer
+on-disk formats: a diffusers folder, and Lightricks' single file (the transformer, or transformer
 and VAE as the released `ltx-video-2b-v0.9.1.safetensors` holds them)."""
 import json
 import os
@@ -315,7 +315,7 @@ def save_single_file(model, path, vae=None):
 
 
 def save_tiny(model, root) -> dict:
-  """`model` in every layout `models.load` takes: a diffusers folder (one file, and sharded
+  """`model` in every format `models.load` takes: a diffusers folder (one file, and sharded
   with an index), Lightricks' single file, and the same prefixed with a tiny VAE beside it."""
   return dict(diffusers=tiny.save_diffusers(model, os.path.join(root, "pipeline")),
               diffusers_sharded=tiny.save_diffusers(model, os.path.join(root, "sharded"),

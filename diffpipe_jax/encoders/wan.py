@@ -1,7 +1,7 @@
 """Wan 2.1 / 2.2's PyTorch side: its encoders for caching (Wan VAE latents, unpacked and normalised
 per channel; UMT5 text embeddings zeroed after each prompt's length) and the tiny random pipeline
 and checkpoints for tests and the embedded default, built with the real diffusers and transformers
-classes and saved in the real on-disk layouts: a diffusers folder, Wan-AI's original folder
+classes and saved in the real on-disk formats: a diffusers folder, Wan-AI's original folder
 (config.json and sharded safetensors under Wan's own names), and ComfyUI's single files."""
 import json
 import math
@@ -262,7 +262,7 @@ def original_config(model, model_type=None):
 def write_sharded(tensors, folder, shards, stem=ORIGINAL_STEM):
   """Writes `tensors` in order as `shards` safetensors files `<stem>-0000i-of-0000n.safetensors`
   of about equal size, with the index `<stem>.safetensors.index.json` that maps each tensor to
-  its file (Hugging Face's sharded layout, which Wan-AI's 14B folders use)."""
+  its file (Hugging Face's sharded form, which Wan-AI's 14B folders use)."""
   os.makedirs(folder, exist_ok=True)
   total = sum(v.nbytes for v in tensors.values())
   groups, size = [[] for _ in range(shards)], 0

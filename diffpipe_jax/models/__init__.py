@@ -1,5 +1,5 @@
 """The public entry point `load(model_type, path, dtype=...)`: a model of any registered family
-(`diffpipe_jax.family`) from any of its checkpoint layouts, or of random weights (`init_random`).
+(`diffpipe_jax.family`) from any of its checkpoint formats, or of random weights (`init_random`).
 """
 import dataclasses
 import functools
@@ -85,21 +85,21 @@ def checkpoint_config(model_type: str, path: str, axes_dims_rope=None):
   return convert.open_checkpoint(family_lib.get(model_type), path, axes_dims_rope).config
 
 
-def _placement(family, transformer_dtype, layout):
+def _placement(family, transformer_dtype, placement):
   """(put, finalize) for leaves made one at a time (`convert.load_params`' hooks): `put` places a
-  weight (default: the default device), `finalize` gives its storage dtype, then the layout's
+  weight (default: the default device), `finalize` gives its storage dtype, then the placement's
   swap (float8 is swapped too)."""
   storage = storage_finalizer(family, transformer_dtype) or (lambda path, value: {path: value})
 
   def finalize(path, value):
     leaves = storage(path, value)
-    return leaves if layout is None else {p: layout.settle(p, v) for p, v in leaves.items()}
-  return (layout.put if layout is not None else lambda path, x: jax.device_put(x)), finalize
+    return leaves if placement is None else {p: placement.settle(p, v) for p, v in leaves.items()}
+  return (placement.put if placement is not None else lambda path, x: jax.device_put(x)), finalize
 
 
 def load(model_type: str, path: str, dtype=jnp.float32, param_dtype=None, transformer_dtype=None,
          attention_impl: Optional[str] = "auto", runtime: Runtime = Runtime(), axes_dims_rope=None,
-         layout=None, progress=True) -> Model:
+         placement=None, progress=True) -> Model:
   """Loads a model of `model_type` (one of `family.names()`) from a diffusers folder, an
   original single file (a float8 one loads as the float8 base, "float8" below, without a
   high-precision copy), or the released folder that holds it.
@@ -108,21 +108,22 @@ def load(model_type: str, path: str, dtype=jnp.float32, param_dtype=None, transf
   transformer_dtype: "float8" stores the blocks' frozen Linear kernels in float8 (and
     `layers.Linear` then runs their matmuls in float8).
   attention_impl: "auto" (cuDNN on GPU for 16-bit, else XLA), "cudnn", "xla" or None (XLA).
-  runtime: how the model runs (`runtime.Runtime`), whose form of the weights `layout` stores.
+  runtime: how the model runs (`runtime.Runtime`), whose form of the weights `placement` stores.
   axes_dims_rope: only for single files of non-standard head sizes, where it cannot be derived.
-  layout: a sharding.Layout that places each converted leaf, one at a time (stage shares,
+  placement: a sharding.Placement that places each converted leaf, one at a time (stage shares,
   swapped blocks in host memory); default: the default device.
   """
   family = family_lib.get(model_type)
   checkpoint = convert.open_checkpoint(family, path, axes_dims_rope)
   config = checkpoint.config
   module = make_module(family, config, dtype, param_dtype, attention_impl)
-  put, finalize = _placement(family, transformer_dtype, layout)
+  put, finalize = _placement(family, transformer_dtype, placement)
   keeps_float8 = lambda p: transformer_dtype == "float8" and is_float8_kernel(family, p)
   params = convert.load_params(abstract_params(family, module, config), family, checkpoint,
                                param_dtype or dtype, put=put, finalize=finalize, progress=progress,
                                keeps_float8=keeps_float8)
-  return Model(family, config, module, params if layout is None else layout.pack(params), runtime)
+  return Model(family, config, module, params if placement is None else placement.pack(params),
+               runtime)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -136,16 +137,17 @@ def random_weight(name, shape, dtype, key):
 
 def init_random(model_type: str, config, key, dtype=jnp.float32, param_dtype=None,
                 transformer_dtype=None, attention_impl: Optional[str] = "auto",
-                runtime: Runtime = Runtime(), layout=None) -> Model:
+                runtime: Runtime = Runtime(), placement=None) -> Model:
   """A model of random weights (`random_weight`) of a family config (benchmarks, full-size
   shapes), made, stored and placed as `load` does a checkpoint's: one leaf at a time, largest
   first, so that the device never holds a whole high-precision copy beside the float8 one."""
   family = family_lib.get(model_type)
   module = make_module(family, config, dtype, param_dtype, attention_impl)
-  put, finalize = _placement(family, transformer_dtype, layout)
+  put, finalize = _placement(family, transformer_dtype, placement)
   flat = {}
   for n, (path, leaf) in enumerate(table.largest_first(table.flatten(abstract_params(family, module, config)))):
     weight = random_weight(path[-1], leaf.shape, leaf.dtype, jax.random.fold_in(key, n))
     flat.update(finalize(path, put(path, weight)))
   params = table.unflatten(flat)
-  return Model(family, config, module, params if layout is None else layout.pack(params), runtime)
+  return Model(family, config, module, params if placement is None else placement.pack(params),
+               runtime)

@@ -6,7 +6,7 @@ LoRAs are exported in); the 19 double- and 38 single-stream blocks (`layers.Doub
 parameters are one array per weight (`transformer_blocks/attn.to_q/kernel` is
 [num_layers, D, D]) that the runtime's `run_stacks` runs (`runtime`).
 
-`SINGLE_FILE_TABLE` maps the Black Forest Labs single-file layout (`flux1-dev.safetensors`) onto
+`SINGLE_FILE_TABLE` maps the Black Forest Labs single-file format (`flux1-dev.safetensors`) onto
 the diffusers names; `diffpipe_jax.convert` reads it in both directions. `FAMILY`, at the end,
 is what the trainer knows of Flux.
 """

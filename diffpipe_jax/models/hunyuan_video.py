@@ -154,7 +154,7 @@ DIFFUSERS_TABLE = (
 
 
 def tencent_tensors(diffusers_tensors: dict) -> dict:
-  """diffusers-named torch-layout tensors -> Tencent's names (the official file's)."""
+  """diffusers-named torch-order tensors -> Tencent's names (the official file's)."""
   return table.to_single_file(diffusers_tensors, DIFFUSERS_TABLE)
 
 

@@ -453,7 +453,8 @@ class CrossAttention(Module):
 
 def stacked_params(module: nn.Module, name: str, block: nn.Module, length: int, *example_args):
   """`module`'s parameter subtree `name`: `length` initialisations of `block` stacked on a
-  leading axis; when the variables already hold it (any layout), it is returned as it is."""
+  leading axis; when the variables already hold it (in any placement's form), it is returned as
+  it is."""
   if module.has_variable("params", name):
     return module.get_variable("params", name)
   init = lambda key: jax.vmap(lambda k: block.init(k, *example_args)["params"])(

@@ -144,7 +144,7 @@ DIFFUSERS_TABLE = (
 
 
 def original_tensors(diffusers_tensors: dict) -> dict:
-  """diffusers-named torch-layout tensors -> Wan's original names (Wan-AI's and ComfyUI's files)."""
+  """diffusers-named torch-order tensors -> Wan's original names (Wan-AI's and ComfyUI's files)."""
   return table.to_single_file(diffusers_tensors, DIFFUSERS_TABLE)
 
 

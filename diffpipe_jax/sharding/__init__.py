@@ -1,4 +1,4 @@
-"""The device mesh ('data', 'stage', 'seq': `axes.MESH`) and how arrays are laid out on it, as
+"""The device mesh ('data', 'stage', 'seq': `axes.MESH`) and how arrays are placed on it, as
 data; the specs come from `axes`' one table of logical names.
 
 Data parallelism: every batch is split over 'data'; the LoRA and optimizer state are replicated
@@ -23,9 +23,9 @@ from diffpipe_jax import axes
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.sharding import pipeline as pipeline_lib
 from diffpipe_jax.stacks import (SWAP_NEEDS_ONE_STAGE, LayerArrays, Swapped, layer_bytes, pack_layers,
-                                 restack, split_layers, swap_positions, unstack)
+                                 restack, swap_layers, swap_positions, unstack)
 
-# The state's entries that stay stacked in the unrolled layout: the update, one program, reads it
+# The state's entries that stay stacked in the per-layer form: the update, one program, reads it
 # whole, and per-layer arrays would make that call thousands of arrays long, each costing host
 # time a step (benchmarks/HISTORY.md, "LoRA step: fewer kernels and arrays between the
 # block programs").
@@ -79,10 +79,10 @@ def tree_shardings(mesh: Mesh, tree, rules=param_rules((), False)):
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Placement:
   """Where the frozen weights and the training state live on `mesh`. With a pipeline `plan`,
   stacked leaves are stored per stage ([S, chunks, ...], `plan.to_stages`); checkpoints and
-  exported LoRAs always hold the plain layer layout, so any layout can resume any other."""
+  exported LoRAs always hold the stacked form, so any placement can resume any other."""
   mesh: Mesh
   stacked: tuple
   plan: Optional[pipeline_lib.Plan] = None
@@ -97,21 +97,22 @@ class Layout:
     return tree_shardings(self.mesh, tree, param_rules(self.stacked, self.plan is not None))
 
   def to_stages(self, tree):
-    """Plain layer layout -> this layout (identity without a pipeline or `unrolled`); jit-able."""
+    """The stacked form -> this placement's form (identity without a pipeline or `unrolled`);
+    jit-able."""
     if self.unrolled:
       return pipeline_lib.map_stacked(lambda name, leaf: unstack(leaf), tree, self.stacked,
                                       skip=STACKED_WHEN_UNROLLED)
     return tree if self.plan is None else pipeline_lib.map_stacked(self.plan.to_stages, tree, self.stacked)
 
   def to_layers(self, tree):
-    """This layout -> the plain layer layout that checkpoints and exports use."""
+    """This placement's form -> the stacked form that checkpoints and exports use."""
     if self.unrolled:
       return restack(tree)
     return tree if self.plan is None else pipeline_lib.map_stacked(self.plan.to_layers, tree, self.stacked)
 
   def create(self, fn, *args):
-    """fn(*args), a tree in the plain layer layout, computed by one jit straight into this
-    layout's shardings (no device holds more than its share)."""
+    """fn(*args), a tree in the stacked form, computed by one jit straight into this
+    placement's shardings (no device holds more than its share)."""
     staged = lambda *a: self.to_stages(fn(*a))
     return jax.jit(staged, out_shardings=self.shardings(jax.eval_shape(staged, *args)))(*args)
 
@@ -136,8 +137,8 @@ class Layout:
                                for i, a in enumerate(unstack(weight).arrays)))
     if not layers:
       return weight
-    split = split_layers(weight, layers)
-    return Swapped(split.device, jax.device_put(split.pinned_host, self.host_memory))
+    swapped = swap_layers(weight, layers)
+    return Swapped(swapped.device, jax.device_put(swapped.pinned_host, self.host_memory))
 
   def pack(self, params):
     """The placed frozen weights with each swapped stack's weights (`settle`d) in their final
@@ -168,10 +169,10 @@ def swapped_layers(block_stacks, blocks_to_swap: int) -> tuple:
   return tuple(swap)
 
 
-def make_layout(mesh: Mesh, block_stacks, microbatches: int, blocks_to_swap: int = 0,
-                unrolled: bool = False, partition_split: Sequence[int] = (),
-                layers_around_stacks: Sequence[int] = (), **plan_options) -> Layout:
-  """The layout on `mesh` of a model whose block stacks are `block_stacks` ((name, layers,
+def make_placement(mesh: Mesh, block_stacks, microbatches: int, blocks_to_swap: int = 0,
+                   unrolled: bool = False, partition_split: Sequence[int] = (),
+                   layers_around_stacks: Sequence[int] = (), **plan_options) -> Placement:
+  """The placement on `mesh` of a model whose block stacks are `block_stacks` ((name, layers,
   relative cost), in order: a family's `stacks(cfg)`); with more than one stage, their pipeline
   plan (`plan.describe()` prints it) for `microbatches` microbatches a step, balanced, or at
   diffusion-pipe's stage boundaries `partition_split` in its numbering of the model's layers
@@ -187,7 +188,7 @@ def make_layout(mesh: Mesh, block_stacks, microbatches: int, blocks_to_swap: int
       raise UserError(SWAP_NEEDS_ONE_STAGE)
     plan = pipeline_lib.make_plan(block_stacks, stages, microbatches, split, **plan_options)
   swap = swapped_layers(block_stacks, blocks_to_swap)
-  return Layout(mesh, tuple(name for name, _, _ in block_stacks), plan, swap, unrolled=unrolled)
+  return Placement(mesh, tuple(name for name, _, _ in block_stacks), plan, swap, unrolled=unrolled)
 
 
 def global_batch(mesh: Mesh, local_batch, batch_axis: int = 1):

@@ -114,7 +114,7 @@ class Plan:
                    + (f" (+{padding} padding layers)" if padding else ""))
     return "\n".join(lines)
 
-  # ------------------------------------------------------------------ storage layout
+  # ------------------------------------------------------------------ storage per stage
   def segment(self, name: str) -> Segment:
     return next(s for s in self.segments if s.name == name)
 
