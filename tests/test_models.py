@@ -186,8 +186,9 @@ def test_generic_modules_name_no_family():
   names = [n for fam in FAMILIES for n in (fam, fam.replace("-", "_"))] + [
       "ltx", "hunyuan", "pooled", "img_ids", "flux_shift"]
   pattern = re.compile("|".join(map(re.escape, names)), re.IGNORECASE)
-  # a citation of a measurement (BENCHMARKS.md's anchors are per family) names none in code
-  cited = lambda line: re.sub(r"BENCHMARKS\.md#[\w-]+", "", line)
+  # a citation of a measurement (BENCHMARKS.md's anchors are per family) names none in code, nor
+  # do the words that begin with Wan's name (want, wandb)
+  cited = lambda line: re.sub(r"BENCHMARKS\.md#[\w-]+|wan[a-z]+", "", line, flags=re.IGNORECASE)
   found = [f"{path}:{n + 1}: {line.strip()}" for path in GENERIC
            for n, line in enumerate(open(os.path.join(ROOT, path))) if pattern.search(cited(line))]
   assert not found, "\n".join(found)
