@@ -9,10 +9,12 @@
       --peer ../shared/bench/peer_torch_video.py
   python benchmarks/train_step.py --model hunyuan-video --res 512 --frames 33 \
       --peer ../shared/bench/peer_torch_video.py
+  python benchmarks/train_step.py --model wan --wan 14b --res 480 --width 832 --frames 81 \
+      --peer ../shared/bench/peer_torch_video.py   # --wan 1.3b; --wan 5b --res 704 --width 1280 --frames 121
 
 The released shape with random weights (`SHAPES`: FLUX.1-dev at 1024^2 with 512 text tokens;
 LTX-Video 2B at the given frames, height and width with 128 text tokens; HunyuanVideo 13B
-likewise with 256), LoRA rank 32 on every
+likewise with 256; Wan 2.1 1.3B or 14B or 2.2 TI2V 5B with 512), LoRA rank 32 on every
 block Linear (float32), AdamW, bf16 compute, `--batch` samples (1) per micro-batch and data-parallel
 replica (a step of `--microbatches` M on D x S GPUs trains D * M samples; the pipeline runs the M
 micro-batches as its microbatches). Modes: no rematerialisation, per-block rematerialisation,
@@ -130,9 +132,38 @@ def hunyuan_video_shape(a) -> Shape:
                f"{width}x{a.res} ({tokens} video + {a.txt} text tokens)")
 
 
-SHAPES = {"flux": flux_shape, "ltx-video": ltx_video_shape, "hunyuan-video": hunyuan_video_shape}
+# Wan's released transformers (Wan-AI's config.json, diffusers' names): width, heads, MLP width,
+# blocks, latent channels and the VAE's spatial factor (`--wan`)
+WAN = {"1.3b": (1536, 12, 8960, 30, 16, 8), "14b": (5120, 40, 13824, 40, 16, 8),
+       "5b": (3072, 24, 14336, 30, 48, 16)}
+
+
+def wan_shape(a) -> Shape:
+  from diffpipe_jax.models import wan
+  dim, heads, ffn, layers, channels, spatial = WAN[a.wan]
+  cfg = wan.WanConfig(**(dict(num_attention_heads=2, attention_head_dim=12, ffn_dim=40, num_layers=2,
+                              text_dim=24, in_channels=8, out_channels=8) if a.smoke else dict(
+      num_attention_heads=heads, attention_head_dim=dim // heads, ffn_dim=ffn, num_layers=layers,
+      in_channels=channels, out_channels=channels)))
+  width = a.width or a.res
+  # the VAE's 4x temporal and 8x (2.2 5B: 16x) spatial factors, then the 1x2x2 patch
+  grid = ((a.frames - 1) // 4 + 1, a.res // (2 * spatial), width // (2 * spatial))
+  tokens, d = int(np.prod(grid)), cfg.inner_dim
+  # per block and video token: self-attention q, k, v, out (4 D^2), cross-attention q, out (2 D^2)
+  # and the MLP (2 D ffn); per text token the cross-attention's k, v (2 D^2)
+  mm_fwd = cfg.num_layers * 2 * (tokens * (6 * d * d + 2 * d * cfg.ffn_dim) + a.txt * 2 * d * d)
+  flop = 2 * mm_fwd + 3 * cfg.num_layers * 4 * (tokens * tokens + tokens * a.txt) * d
+  return Shape(cfg, lambda n: wan.random_batch(cfg, n, *grid, a.txt), None if a.smoke else flop,
+               ["--model", "wan", "--wan", a.wan, "--res", str(a.res), "--width", str(width),
+                "--frames", str(a.frames), "--txt", str(a.txt)],
+               f"Wan, {'smoke' if a.smoke else a.wan.upper()} shape, {a.frames} frames of "
+               f"{width}x{a.res} ({tokens} video + {a.txt} text tokens)")
+
+
+SHAPES = {"flux": flux_shape, "ltx-video": ltx_video_shape, "hunyuan-video": hunyuan_video_shape,
+          "wan": wan_shape}
 # each family's --res and --txt when not given
-DEFAULTS = {"flux": (1024, 512), "ltx-video": (512, 128), "hunyuan-video": (512, 256)}
+DEFAULTS = {"flux": (1024, 512), "ltx-video": (512, 128), "hunyuan-video": (512, 256), "wan": (480, 512)}
 
 
 def as_cached(batch, dtype):
@@ -277,7 +308,10 @@ def shape_arguments(frames: int) -> argparse.ArgumentParser:
   p.add_argument("--res", type=int, help="height in pixels (default: flux 1024, video models 512)")
   p.add_argument("--width", type=int, default=0, help="width in pixels, video models (default: = res)")
   p.add_argument("--frames", type=int, default=frames, help="video frames, video models")
-  p.add_argument("--txt", type=int, help="text tokens (default: flux 512, ltx-video 128, hunyuan-video 256)")
+  p.add_argument("--txt", type=int, help="text tokens (default: flux 512, ltx-video 128, hunyuan-video "
+                 "256, wan 512)")
+  p.add_argument("--wan", choices=sorted(WAN), default="14b",
+                 help="wan: 2.1 T2V 1.3B or 14B, 2.2 TI2V 5B (its 48-channel, 16x VAE)")
   p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: tests the script")
   return p
 
@@ -321,7 +355,7 @@ def main():
   if a.smoke:
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
   common = [sys.executable, os.path.abspath(__file__), "--model", a.model, "--res", str(a.res),
-            "--width", str(a.width), "--frames", str(a.frames), "--txt", str(a.txt),
+            "--width", str(a.width), "--frames", str(a.frames), "--txt", str(a.txt), "--wan", a.wan,
             "--rank", str(a.rank), "--steps", str(a.steps), "--microbatches", str(a.microbatches),
             "--batch", str(a.batch)]
   common += ["--profile", os.path.abspath(a.profile)] if a.profile else []

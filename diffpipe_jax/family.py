@@ -42,27 +42,31 @@ class SingleFile:
   the file's names are ours), a key that identifies the model, the key prefixes of repackaged
   files, the key prefixes of other models the file may also hold (a VAE: never loaded),
   `config(shapes, metadata, axes_dims_rope)`: the model config from the tensor shapes and the
-  file's metadata, and `locations`: where the file lies inside the model's released folder
-  (Tencent's `.pt`), so that the folder itself can be given."""
+  file's metadata, `locations`: where the file lies inside the model's released folder
+  (Tencent's `.pt`), so that the folder itself can be given, and `folder_class`: the
+  `_class_name` of the config.json of a released folder that holds the original names in
+  safetensors shards (Wan-AI's "WanModel"; its config is passed to `config` as the metadata)."""
   rows: Optional[tuple]
   signature: str
   prefixes: tuple
   foreign: tuple
   config: Callable
   locations: tuple = ()
+  folder_class: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
   """How the family's diffusers pipeline samples (`diffpipe_jax.sampling`): `scheduler(cfg)`, the
-  released FlowMatchEulerDiscreteScheduler config (a diffusers folder's own wins); its pipeline's
-  sigmas before the shift: N from 1 to 1/N (Flux, LTX-Video) or N + 1 from 1 to 0 without the
-  last (`to_zero`, HunyuanVideo); how guidance enters: "embedded" (the guidance embedding, as
+  released FlowMatchEulerDiscreteScheduler config (a diffusers folder's own wins); `spacing`, its
+  pipeline's sigmas before the shift (`sampling.SPACINGS`): N from 1 to 1/N ("1/N": Flux,
+  LTX-Video pass these), N + 1 from 1 to 0 without the last ("0": HunyuanVideo's), or none
+  passed, the scheduler's own ("scheduler": Wan's); how guidance enters: "embedded" (the guidance embedding, as
   `model.guidance` through `training_inputs`) or "cfg" (classifier-free, against the empty
   prompt); the pipeline's default `steps` and `guidance`; `latent_shape(cfg, grid)`: one
   sample's latents for a latent grid (the encoders' `latent_grid`)."""
   scheduler: Callable
-  to_zero: bool
+  spacing: str
   guidance_mode: str
   steps: int
   guidance: float

@@ -35,13 +35,32 @@ def scheduler_config(family, cfg, model_config) -> dict:
   return family.sampling.scheduler(cfg)
 
 
-def sigmas(scheduler: dict, steps: int, tokens: int, to_zero: bool) -> np.ndarray:
+SPACINGS = ("1/N", "0", "scheduler")  # `Sampling.spacing`: what the pipeline passes `set_timesteps`
+
+
+def base_sigmas(scheduler: dict, steps: int, spacing: str) -> np.ndarray:
+  """A pipeline's sigmas before the shift: N from 1 to 1/N, N + 1 from 1 to 0 without the last,
+  or, where it passes none, the scheduler's own: N timesteps from its training schedule's first
+  sigma to its last (1 / num_train_timesteps, shifted there unless the shift is dynamic)."""
+  if spacing == "1/N":
+    return np.linspace(1.0, 1.0 / steps, steps)
+  if spacing == "0":
+    return np.linspace(1.0, 0.0, steps + 1)[:-1]
+  assert spacing == "scheduler", spacing
+  n = scheduler.get("num_train_timesteps", 1000)
+  ends = np.array([1.0, 1.0 / n], np.float32)
+  if not scheduler.get("use_dynamic_shifting"):
+    shift = np.float32(scheduler.get("shift", 1.0))
+    ends = shift * ends / (1 + (shift - 1) * ends)
+  return np.linspace(float(ends[0]) * n, float(ends[1]) * n, steps) / n
+
+
+def sigmas(scheduler: dict, steps: int, tokens: int, spacing: str) -> np.ndarray:
   """The N + 1 sigmas (the last 0) of a pipeline's `set_timesteps` for `tokens` latent tokens,
   as FlowMatchEulerDiscreteScheduler computes them (float32)."""
   if steps < 1:
     raise UserError(f"sampling needs at least 1 step, got {steps}")
-  base = np.linspace(1.0, 0.0, steps + 1)[:-1] if to_zero else np.linspace(1.0, 1.0 / steps, steps)
-  s = base.astype(np.float32)
+  s = base_sigmas(scheduler, steps, spacing).astype(np.float32)
   if scheduler.get("use_dynamic_shifting"):
     # the pipelines' `calculate_shift`: mu linear in the tokens, base_shift at base_image_seq_len
     lo, hi = scheduler.get("base_image_seq_len", 256), scheduler.get("max_image_seq_len", 4096)
@@ -111,7 +130,7 @@ def denoise(model, params, adapter, model_config, conditioning: dict, noise, gri
   step = step or step_fn(model, model_config, guidance)
   place = place or (lambda tree: jax.tree.map(jnp.asarray, tree))
   schedule = sigmas(scheduler_config(model.family, model.config, model_config), steps,
-                    int(np.prod(grid)), sampling.to_zero)
+                    int(np.prod(grid)), sampling.spacing)
   if sampling.guidance_mode == "cfg":
     if uncond is None:
       raise ValueError("classifier-free guidance needs the empty prompt's embeddings (uncond)")

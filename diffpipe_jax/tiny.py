@@ -89,14 +89,29 @@ def llama_tokenizer():
                                  model_max_length=8192)
 
 
+def t5_config(config_class, tokenizer, d_model, **config):
+  """A small T5 v1.1-style config (gated GELU) of width `d_model` over `tokenizer`'s ids
+  (`t5_tokenizer`), for T5 and UMT5 alike."""
+  return config_class(**{**dict(
+      vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+      d_model=d_model, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+      feed_forward_proj="gated-gelu"), **config})
+
+
 def t5_encoder(tokenizer, d_model):
   """A random T5 v1.1 encoder (gated GELU, as FLUX.1's and LTX-Video's T5-XXL) of width
   `d_model` over `tokenizer`'s ids (`t5_tokenizer`)."""
   from transformers import T5Config, T5EncoderModel
-  return randomize_(T5EncoderModel(T5Config(
-      vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-      d_model=d_model, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
-      feed_forward_proj="gated-gelu")).eval())
+  return randomize_(T5EncoderModel(t5_config(T5Config, tokenizer, d_model)).eval())
+
+
+def umt5_encoder(tokenizer, d_model, seed=0):
+  """A random UMT5 encoder (Wan's UMT5-XXL: a relative attention bias in every layer, not only
+  the first as T5's) of width `d_model` over `tokenizer`'s ids, with an odd head count (3 x 8,
+  unlike `d_model`) and three layers."""
+  from transformers import UMT5Config, UMT5EncoderModel
+  return build(UMT5EncoderModel, seed, t5_config(UMT5Config, tokenizer, d_model, num_heads=3,
+                                                 num_layers=3))
 
 
 def build(cls, seed, *args, **kwargs):

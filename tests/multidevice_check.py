@@ -66,7 +66,11 @@ def run_on(mesh, fam, path, config, stages, unrolled, partition_split, steps, ac
   tx, _ = optim.make(config, steps)
   layer_params = models.abstract_params(fam, model.module, model.config)
   adapter = lora.init(layer_params, fam.lora_targets, 4, jnp.float32, jax.random.key(0))
-  adapter = jax.tree.map(lambda x: x + 0.05, adapter)  # non-zero B: gradients reach A too
+  # a random, non-zero B: gradients reach A too (a B constant over its outputs gives A none where
+  # the output feeds mean-free LayerNorms alone, as Wan's ungated cross-attention output does)
+  leaves, tree = jax.tree.flatten(adapter)
+  keys = jax.random.split(jax.random.key(7), len(leaves))
+  adapter = tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
   state = placement.create(functools.partial(training_step.init_state, layer_params=layer_params,
                                           config=config, tx=tx, family=fam), None, adapter)
   grads = training_step.grad_fn(model, config)

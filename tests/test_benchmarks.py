@@ -38,14 +38,15 @@ def test_flux_forward_benchmark_smoke(tmp_path):
 VIDEO_PEER = """import json, sys
 args = " ".join(sys.argv[1:])
 assert "--res 64 --width 64 --frames 9 --txt 8 --rank 4" in args, args
-assert sys.argv[2] in ("ltx", "hunyuan"), args
+assert sys.argv[2] in ("ltx", "hunyuan", "wan"), args
 print(json.dumps(dict(step_s_median=0.5, peak_mem_gib=None)))
 """
 
 
 @pytest.mark.parametrize("model,title", [
     ("ltx-video", "LTX-Video, smoke shape, 9 frames of 64x64 (8 video + 8 text tokens)"),
-    ("hunyuan-video", "HunyuanVideo, smoke shape, 9 frames of 64x64 (48 video + 8 text tokens)")])
+    ("hunyuan-video", "HunyuanVideo, smoke shape, 9 frames of 64x64 (48 video + 8 text tokens)"),
+    ("wan", "Wan, smoke shape, 9 frames of 64x64 (48 video + 8 text tokens)")])
 def test_video_step_benchmark_smoke(tmp_path, model, title):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   (tmp_path / "peer.py").write_text(VIDEO_PEER)

@@ -16,7 +16,7 @@ from tolerances import assert_close, rel_err
 from diffpipe_jax import lora, models, tiny
 from diffpipe_jax.convert import table
 from diffpipe_jax.convert.tensorfile import TensorFiles, write_safetensors
-from diffpipe_jax.models import ltx_video as ltx
+from diffpipe_jax.models import layers, ltx_video as ltx
 
 FORMATS = ("diffusers", "diffusers_sharded", "single_file", "single_file_prefixed")
 # The torch side's tiny model (4 heads of 8: 32 % 6 = 2 RoPE padding channels, as 2048 has),
@@ -217,7 +217,7 @@ def test_rope_at_the_released_widths():
   tables are as close to exact (float64) RoPE as diffusers' are."""
   from diffusers.models.transformers.transformer_ltx import LTXVideoRotaryPosEmbed
   grid = (13, 16, 22)
-  ids = ltx.position_ids(grid)
+  ids = layers.grid_positions(grid)
   scale = ltx.pipeline_rope_scale(25)
   for dim in (2048, 4096):
     ours = np.asarray(ltx.rope_tables(ltx.video_coords(ids, scale, ltx.LTXVideoConfig()), dim)[0])

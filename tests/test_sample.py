@@ -16,7 +16,7 @@ from tolerances import LORA_PARITY, assert_close, rel_err
 from diffpipe_jax import family as family_lib, lora, models, programs, runtime, sample, sampling, sharding
 
 # a size of a few latent tokens per family: (frames, height, width) in pixels
-SIZES = {"flux": (1, 32, 48), "ltx-video": (9, 64, 96), "hunyuan-video": (5, 32, 48)}
+SIZES = {"flux": (1, 32, 48), "ltx-video": (9, 64, 96), "hunyuan-video": (5, 32, 48), "wan": (5, 32, 48)}
 PROMPTS = ["a red pattern, number 3", "blue"]
 
 
@@ -40,13 +40,13 @@ def test_sigmas_are_the_schedulers(pipeline_folder):
   released = fam.sampling.scheduler(cfg)
   scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**released)
   for steps, tokens in ((7, 300), (28, 4096)):
-    base = (np.linspace(1.0, 0.0, steps + 1)[:-1] if fam.sampling.to_zero
-            else np.linspace(1.0, 1 / steps, steps))
+    base = {"1/N": np.linspace(1.0, 1 / steps, steps), "0": np.linspace(1.0, 0.0, steps + 1)[:-1],
+            "scheduler": None}[fam.sampling.spacing]  # (none passed: the scheduler's own)
     mu = ((tokens - released["base_image_seq_len"]) * (released["max_shift"] - released["base_shift"])
           / (released["max_image_seq_len"] - released["base_image_seq_len"]) + released["base_shift"]
           if released.get("use_dynamic_shifting") else None)
-    scheduler.set_timesteps(sigmas=base, mu=mu)
-    np.testing.assert_allclose(sampling.sigmas(released, steps, tokens, fam.sampling.to_zero),
+    scheduler.set_timesteps(steps, sigmas=base, mu=mu)
+    np.testing.assert_allclose(sampling.sigmas(released, steps, tokens, fam.sampling.spacing),
                                scheduler.sigmas.numpy(), rtol=1e-6, atol=1e-7)
 
 

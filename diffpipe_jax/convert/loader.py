@@ -25,9 +25,10 @@ class Checkpoint:
 
 def open_checkpoint(family, path: str, axes_dims_rope=None) -> Checkpoint:
   """Resolves `path` for a model family: a diffusers pipeline folder (holding `transformer/`), a
-  transformer folder (holding `config.json` and its safetensors), a folder that holds the
-  family's original file where its release puts it (`SingleFile.locations`), or an original
-  single file (`.safetensors`, or a torch pickle `.pt`)."""
+  transformer folder (holding `config.json` and its safetensors), a released folder of the
+  original names (`SingleFile.folder_class`), a folder that holds the family's original file
+  where its release puts it (`SingleFile.locations`), or an original single file
+  (`.safetensors`, or a torch pickle `.pt`)."""
   if os.path.isdir(path):
     single = family.single_file
     for location in single.locations if single else ():
@@ -43,6 +44,9 @@ def open_checkpoint(family, path: str, axes_dims_rope=None) -> Checkpoint:
     with open(config_path) as f:
       config = json.load(f)
     cls = config.get("_class_name")
+    if single and single.folder_class and cls == single.folder_class:  # the original names, sharded
+      files = TensorFiles(safetensors_in_folder(folder))
+      return Checkpoint(single.config(files.shapes(), config, axes_dims_rope), files, single.rows, "single")
     if cls and cls != family.diffusers_class:
       raise CheckpointError(f"{config_path} describes a {cls}, not a {family.diffusers_class}: "
                             "point the path at the right model")

@@ -278,7 +278,7 @@ DEV_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                      base_image_seq_len=256, max_image_seq_len=4096, shift=3.0)
 SAMPLING = Sampling(
     scheduler=lambda cfg: DEV_SCHEDULER if cfg.guidance_embeds else dict(shift=1.0),
-    to_zero=False, guidance_mode="embedded", steps=28, guidance=3.5,
+    spacing="1/N", guidance_mode="embedded", steps=28, guidance=3.5,
     latent_shape=lambda cfg, grid: (grid[0] * grid[1], cfg.in_channels))
 
 

@@ -197,31 +197,6 @@ class TokenRefiner(layers.Module):
     return x
 
 
-def patchify(latents, patch):
-  """[B, C, F, H, W] -> [B, F'*H'*W', C*pt*ph*pw]: tokens in (f, h, w) order, each patch's
-  features in the Conv3d weight's (c, t, h, w) order."""
-  b, c, f, h, w = latents.shape
-  pt, ph, pw = patch
-  x = latents.reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw)
-  x = x.transpose(0, 2, 4, 6, 1, 3, 5, 7)
-  return x.reshape(b, (f // pt) * (h // ph) * (w // pw), c * pt * ph * pw)
-
-
-def unpatchify(tokens, grid, patch):
-  """[B, F'*H'*W', C*pt*ph*pw] -> [B, C, F, H, W], the inverse of `patchify`."""
-  b = tokens.shape[0]
-  (f, h, w), (pt, ph, pw) = grid, patch
-  x = tokens.reshape(b, f, h, w, -1, pt, ph, pw)
-  x = x.transpose(0, 4, 1, 5, 2, 6, 3, 7)
-  return x.reshape(b, x.shape[1], f * pt, h * ph, w * pw)
-
-
-def position_ids(grid) -> np.ndarray:
-  """Token grid indices [F*H*W, 3] (frame, row, column) in the packed token order."""
-  ids = np.stack(np.meshgrid(*map(np.arange, grid), indexing="ij"), -1)
-  return ids.reshape(-1, 3).astype(np.float32)
-
-
 def block_stacks(cfg: HunyuanVideoConfig):
   """(stack name, layers, relative cost of a layer) in execution order: as Flux's, a double
   and a single block have the same matmul FLOPs per token and the same attention."""
@@ -243,7 +218,7 @@ class HunyuanVideo(layers.Transformer):
     c, kw = self.cfg, self.kw
     grid = tuple(n // p for n, p in zip(hidden_states.shape[2:], c.patch))
     img = Linear(c.inner_dim, name="img_in.proj", **kw)(
-        patchify(hidden_states, c.patch).astype(self.dtype))
+        layers.patchify(hidden_states, c.patch).astype(self.dtype))
     sinusoids = lambda v: layers.timestep_sinusoids(v).astype(self.dtype)
     temb = layers.MLPEmbedder(c.inner_dim, names=("mlp.0", "mlp.2"), name="time_in", **kw)(
         sinusoids(timestep))
@@ -255,7 +230,7 @@ class HunyuanVideo(layers.Transformer):
     txt = TokenRefiner(c, self.attention_impl, name="txt_in", **kw)(
         encoder_hidden_states, sinusoids(timestep), encoder_attention_mask)
 
-    rope = layers.rope_tables(jnp.asarray(position_ids(grid)), c.rope_axes_dim, c.rope_theta)
+    rope = layers.rope_tables(jnp.asarray(layers.grid_positions(grid)), c.rope_axes_dim, c.rope_theta)
     x = jnp.concatenate([img, txt], axis=1)
     # float, not boolean: the blocks' inputs get cotangents (swapped blocks add them up)
     mask = jnp.concatenate([jnp.ones(img.shape[:2], jnp.float32),
@@ -271,7 +246,7 @@ class HunyuanVideo(layers.Transformer):
     shift, scale = layers.adaln_chunks(temb, 2, "final_layer.adaLN_modulation.1", **kw)
     out = Linear(int(np.prod(c.patch)) * c.out_channels, name="final_layer.linear", **kw)(
         layers.modulate(layers.layer_norm(img), shift, scale))
-    return unpatchify(out, grid, c.patch)
+    return layers.unpatchify(out, grid, c.patch)
 
 
 # ---- inputs --------------------------------------------------------------------------------------
@@ -373,7 +348,7 @@ def training_inputs(model_config, cfg: HunyuanVideoConfig, batch: dict, noisy, t
 
 # HunyuanVideoPipeline's: shift 7, sigmas to 0, distilled guidance 6 (x 1000)
 SAMPLING = Sampling(
-    scheduler=lambda cfg: dict(shift=7.0), to_zero=True, guidance_mode="embedded", steps=50,
+    scheduler=lambda cfg: dict(shift=7.0), spacing="0", guidance_mode="embedded", steps=50,
     guidance=6.0, latent_shape=lambda cfg, grid: (cfg.in_channels, *grid))
 
 

@@ -271,6 +271,36 @@ class FeedForward(Module):
     return Linear(self.dim, name="net.2", **kw)(nn.gelu(h, approximate=True))
 
 
+def patchify(latents, patch):
+  """[B, C, F, H, W] -> [B, F'*H'*W', C*pt*ph*pw]: tokens in (f, h, w) order, each patch's
+  features in the Conv3d weight's (c, t, h, w) order (the patch embedding is a Linear over
+  them)."""
+  b, c, f, h, w = latents.shape
+  pt, ph, pw = patch
+  x = latents.reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw)
+  x = x.transpose(0, 2, 4, 6, 1, 3, 5, 7)
+  return x.reshape(b, (f // pt) * (h // ph) * (w // pw), c * pt * ph * pw)
+
+
+def unpatchify(tokens, grid, patch, channels_last=False):
+  """[B, F'*H'*W', P] -> [B, C, F, H, W], the inverse of `patchify`: each token's P features in
+  (c, t, h, w) order (HunyuanVideo's output Linear), or (t, h, w, c) with `channels_last`
+  (Wan's)."""
+  b = tokens.shape[0]
+  (f, h, w), (pt, ph, pw) = grid, patch
+  if channels_last:
+    x = tokens.reshape(b, f, h, w, pt, ph, pw, -1).transpose(0, 7, 1, 4, 2, 5, 3, 6)
+  else:
+    x = tokens.reshape(b, f, h, w, -1, pt, ph, pw).transpose(0, 4, 1, 5, 2, 6, 3, 7)
+  return x.reshape(b, x.shape[1], f * pt, h * ph, w * pw)
+
+
+def grid_positions(grid) -> np.ndarray:
+  """Token grid indices [F*H*W, 3] (frame, row, column) in the packed token order."""
+  ids = np.stack(np.meshgrid(*map(np.arange, grid), indexing="ij"), -1)
+  return ids.reshape(-1, 3).astype(np.float32)
+
+
 def rope_tables(ids, axes_dims: Sequence[int], theta: float):
   """Rotary tables for n-D integer positions ids [S, n]: (cos, sin), each [S, sum(axes_dims)].
 
@@ -379,7 +409,7 @@ def merge_heads(x):
   return x.reshape(*x.shape[:2], x.shape[2] * x.shape[3])
 
 
-MAIN_NAMES = ("to_q", "to_k", "to_v", "norm_q", "norm_k")
+MAIN_NAMES = ("to_q", "to_k", "to_v", "norm_q", "norm_k", "to_out.0")
 
 
 class SelfAttention(Module):
@@ -391,15 +421,16 @@ class SelfAttention(Module):
   qk_norm: str = "per_head"
   eps: float = 1e-6
   implementation: Optional[str] = None
+  names: Tuple[str, ...] = MAIN_NAMES  # q, k, v, their norms, then the output projection
 
   @nn.compact
   def __call__(self, x, rope=None, mask=None):
-    q, k, v = project_qkv(x, self.heads, self.head_dim, MAIN_NAMES, self.qk_norm, eps=self.eps,
+    q, k, v = project_qkv(x, self.heads, self.head_dim, self.names, self.qk_norm, eps=self.eps,
                           **self.kw)
     if rope is not None:
       q, k = apply_rope_to_prefix(q, rope), apply_rope_to_prefix(k, rope)
     out = merge_heads(attention(q, k, v, mask, self.implementation))
-    return Linear(x.shape[-1], name="to_out.0", **self.kw)(out)
+    return Linear(x.shape[-1], name=self.names[5], **self.kw)(out)
 
 
 class CrossAttention(Module):
@@ -410,13 +441,14 @@ class CrossAttention(Module):
   qk_norm: str = "across_heads"
   eps: float = 1e-6
   implementation: Optional[str] = None
+  names: Tuple[str, ...] = MAIN_NAMES  # q, k, v, their norms, then the output projection
 
   @nn.compact
   def __call__(self, x, context, mask=None):
-    q, k, v = project_qkv(x, self.heads, self.head_dim, MAIN_NAMES, self.qk_norm, context,
+    q, k, v = project_qkv(x, self.heads, self.head_dim, self.names, self.qk_norm, context,
                           eps=self.eps, **self.kw)
     out = merge_heads(attention(q, k, v, mask, self.implementation))
-    return Linear(x.shape[-1], name="to_out.0", **self.kw)(out)
+    return Linear(x.shape[-1], name=self.names[5], **self.kw)(out)
 
 
 def stacked_params(module: nn.Module, name: str, block: nn.Module, length: int, *example_args):

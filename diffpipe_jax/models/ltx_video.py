@@ -235,13 +235,6 @@ def keep_mask(encoder_attention_mask):
 # ---- inputs --------------------------------------------------------------------------------------
 
 
-def position_ids(grid) -> np.ndarray:
-  """Latent grid indices [F*H*W, 3] (frame, row, column) of a cached bucket's latent grid
-  (frames, rows, columns), in the packed token order."""
-  ids = np.stack(np.meshgrid(*map(np.arange, grid), indexing="ij"), -1)
-  return ids.reshape(-1, 3).astype(np.float32)
-
-
 def pipeline_rope_scale(frame_rate):
   """LTXPipeline's `rope_interpolation_scale`: the VAE's ratios over the frame rate in time."""
   return (VAE_TEMPORAL_RATIO / frame_rate, VAE_SPATIAL_RATIO, VAE_SPATIAL_RATIO)
@@ -317,7 +310,7 @@ def _coords(cfg, inputs, tokens):
       raise ValueError(f"num_frames x height x width = {grid} is not the {tokens} tokens of "
                        "hidden_states: pass the latent grid")
     scale = inputs.get("rope_interpolation_scale")
-    return jnp.asarray(video_coords(position_ids(grid), scale, cfg))
+    return jnp.asarray(video_coords(layers.grid_positions(grid), scale, cfg))
   if coords.ndim == 3:
     if not bool(jnp.all(coords == coords[:1])):
       raise ValueError("video_coords differ across the batch: only coordinates shared by the "
@@ -336,7 +329,7 @@ def random_inputs(cfg: LTXVideoConfig, batch=1, frames=2, height=3, width=3, txt
   rng = np.random.default_rng(seed)
   normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
   kept = rng.integers(1, max(txt_len, 2), batch)
-  coords = video_coords(position_ids((frames, height, width)), pipeline_rope_scale(25), cfg)
+  coords = video_coords(layers.grid_positions((frames, height, width)), pipeline_rope_scale(25), cfg)
   return dict(
       hidden_states=normal(batch, frames * height * width, cfg.in_channels),
       encoder_hidden_states=normal(batch, txt_len, cfg.caption_channels),
@@ -349,7 +342,7 @@ def random_batch(cfg: LTXVideoConfig, batch=1, frames=2, height=3, width=3, txt_
                  seed=0) -> dict:
   """`random_inputs` as a batch of cached samples (what `training_inputs` takes)."""
   inputs = random_inputs(cfg, batch, frames, height, width, txt_len, seed)
-  ids = position_ids((frames, height, width))
+  ids = layers.grid_positions((frames, height, width))
   return dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"],
               text_mask=inputs["encoder_attention_mask"], position_ids=np.stack([ids] * batch))
 
@@ -398,7 +391,7 @@ def condition(model_config, key, batch, noisy, t):
 SAMPLING = Sampling(
     scheduler=lambda cfg: dict(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
                                base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1),
-    to_zero=False, guidance_mode="cfg", steps=50, guidance=3.0,
+    spacing="1/N", guidance_mode="cfg", steps=50, guidance=3.0,
     latent_shape=lambda cfg, grid: (grid[0] * grid[1] * grid[2], cfg.in_channels))
 
 
@@ -438,7 +431,7 @@ FAMILY = Family(
     random_inputs=random_inputs,
     random_batch=random_batch,
     shared_inputs=("video_coords",),
-    position_ids=position_ids,
+    position_ids=layers.grid_positions,
     shift_timesteps=shift_timesteps,
     training_inputs=training_inputs,
     condition=condition,

@@ -1,0 +1,348 @@
+"""Wan 2.1 / 2.2's PyTorch side: its encoders for caching (Wan VAE latents, unpacked and normalised
+per channel; UMT5 text embeddings zeroed after each prompt's length) and the tiny random pipeline
+and checkpoints for tests and the embedded default, built with the real diffusers and transformers
+classes and saved in the real on-disk formats: a diffusers folder, Wan-AI's original folder
+(config.json and sharded safetensors under Wan's own names), and ComfyUI's single files."""
+import json
+import math
+import os
+
+import numpy as np
+
+from diffpipe_jax import tiny
+from diffpipe_jax.convert.tensorfile import write_safetensors
+from diffpipe_jax.encoders import Encoders, default_device
+from diffpipe_jax.errors import UserError
+from diffpipe_jax.family import TorchSide
+from diffpipe_jax.models import wan as wan_model
+
+# WanPipeline's max_sequence_length and Wan's text_len (diffusers' I2V attention assumes it)
+TEXT_TOKENS = 512
+PATCH = (1, 2, 2)  # every released transformer's patch, when the folder has no transformer config
+
+
+class WanEncoders(Encoders):
+  """Wan: AutoencoderKLWan latents (8x spatial and 4x temporal for 2.1 and the 2.2 A14B, 16x
+  spatial for the 2.2 TI2V 5B's VAE; 1 + 4k frames), unpacked; UMT5 last hidden state, zeroed
+  after each prompt's tokens. Both run in `dtype`, as the other families' encoders."""
+  components = {"vae": ("vae", "AutoencoderKLWan"),
+                "tokenizer": ("tokenizer", "AutoTokenizer"),
+                "text_encoder": ("umt5", "UMT5EncoderModel")}
+
+  def __init__(self, path, device, dtype, options, frame_rate, vae_config, patch_size):
+    super().__init__(path, device, dtype, options)
+    self.frame_rate, self.vae_config, self.patch_size = frame_rate, vae_config, tuple(patch_size)
+
+  @classmethod
+  def load(cls, path, device=None, dtype=None, max_sequence_length=TEXT_TOKENS, frame_rate=16):
+    """The encoders of a diffusers Wan folder (loaded when first needed); the text encoder in
+    float32 on CPU, bfloat16 on CUDA unless told. `frame_rate`: the model's (16 for Wan 2.1, 24
+    for the 2.2 TI2V 5B)."""
+    import torch
+    from diffusers.utils import is_ftfy_available
+    if not path:
+      raise UserError("caching needs model.diffusers_path for the UMT5 text encoder, its "
+                      "tokenizer and the VAE")
+    if not os.path.isdir(path):
+      raise UserError(f"model.diffusers_path {path} does not exist: set it to a diffusers Wan "
+                      "pipeline folder (with vae/, text_encoder/, tokenizer/)")
+    missing = [sub for sub in cls.components if not os.path.isdir(os.path.join(path, sub))]
+    if missing:
+      raise UserError(f"{path} lacks the encoder folder(s) {missing}: model.diffusers_path must "
+                      "be a diffusers Wan pipeline folder (with vae/, text_encoder/, tokenizer/)")
+    vae_config = read_vae_config(os.path.join(path, "vae"))
+    transformer = os.path.join(path, "transformer", "config.json")
+    if os.path.isfile(transformer):
+      with open(transformer) as f:
+        patch_size = json.load(f).get("patch_size", PATCH)
+    else:
+      patch_size = PATCH
+    device = device or default_device()
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    # whether ftfy repairs the captions (WanPipeline's prompt_clean uses it where installed)
+    # changes the embeddings of some, so it is part of the cache's fingerprint
+    clean = "ftfy+html+whitespace" if is_ftfy_available() else "html+whitespace"
+    options = dict(max_sequence_length=max_sequence_length, prompt_clean=clean)
+    return cls(path, device, dtype, options, frame_rate, vae_config, patch_size)
+
+  def load_vae(self):
+    from diffusers import AutoencoderKLWan
+    vae = AutoencoderKLWan.from_pretrained(os.path.join(self.path, "vae"), torch_dtype=self.dtype)
+    # whole clips in one pass (diffusers' default): tiles are blended at their seams, which
+    # changes the latents
+    vae.use_tiling = vae.use_slicing = False
+    return vae
+
+  def load_text_encoders(self):
+    from transformers import AutoTokenizer, UMT5EncoderModel
+    self.tokenizer = AutoTokenizer.from_pretrained(os.path.join(self.path, "tokenizer"))
+    self.umt5 = UMT5EncoderModel.from_pretrained(os.path.join(self.path, "text_encoder"),
+                                                 dtype=self.dtype).to(self.device).eval()
+
+  @property
+  def frames_per_latent(self):
+    """Frames per latent frame after the first: a clip has 1 + 4k frames."""
+    return self.vae_config["scale_factor_temporal"]
+
+  @property
+  def spatial_factor(self):
+    """Pixels per latent side: the VAE's (its config's `scale_factor_spatial`, as WanPipeline
+    reads it)."""
+    return self.vae_config["scale_factor_spatial"]
+
+  @property
+  def pixel_multiple(self):
+    """Bucket sides must be multiples of this: the VAE's factor times the transformer's spatial
+    patch (WanPipeline rounds its sizes down to it)."""
+    return self.spatial_factor * math.lcm(*self.patch_size[1:])
+
+  def latent_grid(self, frames, height, width):
+    """The latents' own grid (frames, rows, columns); the transformer patchifies itself."""
+    return ((frames - 1) // self.frames_per_latent + 1, height // self.spatial_factor,
+            width // self.spatial_factor)
+
+  def latent_stats(self, like):
+    """The VAE config's per-channel mean and reciprocal std, shaped and typed as WanPipeline
+    makes them (the reciprocal taken in the latents' dtype)."""
+    import torch
+    shape = (1, self.vae_config["z_dim"], 1, 1, 1)
+    mean = torch.tensor(self.vae_config["latents_mean"]).view(shape).to(like.device, like.dtype)
+    std = torch.tensor(self.vae_config["latents_std"]).view(shape).to(like.device, like.dtype)
+    inv_std = 1.0 / std
+    return mean, inv_std
+
+  def encode_media(self, pixels):
+    """np [B, F, H, W, 3] in [-1, 1] (F = 1 + 4k, sides multiples of `pixel_multiple`) -> np
+    float32 latents [B, C, F', H', W'] (unpacked), normalised per channel as WanPipeline
+    normalises a condition frame's: (z - latents_mean) * (1 / latents_std).
+
+    The posterior mean (the pipelines' `sample_mode="argmax"`), not a sample: the cache is then
+    reproducible, and a sample drawn once would freeze one fixed perturbation per item anyway."""
+    import torch
+    b, f, h, w, _ = pixels.shape
+    if (f - 1) % self.frames_per_latent or h % self.pixel_multiple or w % self.pixel_multiple:
+      raise ValueError(f"Wan encodes 1 + {self.frames_per_latent}k frames with sides multiples "
+                       f"of {self.pixel_multiple}, got {f} frames of {w}x{h}")
+    x = torch.from_numpy(np.ascontiguousarray(pixels.transpose(0, 4, 1, 2, 3)))
+    vae = self.vae
+    with torch.no_grad():
+      z = vae.encode(x.to(vae.device, vae.dtype)).latent_dist.mean
+    mean, inv_std = self.latent_stats(z)
+    return ((z - mean) * inv_std).float().cpu().numpy()
+
+  def decode_media(self, latents, grid):
+    """Latents [B, C, F', H', W'] -> np [B, F, H, W, 3] in [-1, 1], as WanPipeline
+    un-normalises (z / (1 / latents_std) + latents_mean) and decodes them."""
+    import torch
+    vae = self.vae
+    z = torch.from_numpy(np.array(latents, np.float32)).to(vae.device, vae.dtype)
+    mean, inv_std = self.latent_stats(z)
+    with torch.no_grad():
+      pixels = vae.decode(z / inv_std + mean).sample
+    return pixels.clamp(-1, 1).float().cpu().numpy().transpose(0, 2, 3, 4, 1)
+
+  def encode_text(self, captions, frames=1):
+    """Captions -> dict(text=[B, T, D] UMT5 last hidden state), as WanPipeline's
+    `_get_t5_prompt_embeds` makes them: the captions cleaned by its `prompt_clean` (ftfy where
+    installed, HTML entities unescaped, whitespace runs made one space, ends stripped), T =
+    max_sequence_length tokens, truncated, UMT5 run with the padding mask, and each caption's
+    embeddings after its own tokens (`</s>` included) set to zero. The transformer takes no mask:
+    the zeros are what it attends to."""
+    import torch
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+    captions, limit = [prompt_clean(c) for c in captions], self.options["max_sequence_length"]
+    self.count_truncated(f"are longer than UMT5's {limit} tokens (max_sequence_length) and were "
+                         "truncated: their end is not trained on", self.tokenizer, captions, limit)
+    tokens = self.tokenizer(captions, padding="max_length", max_length=limit, truncation=True,
+                            add_special_tokens=True, return_attention_mask=True,
+                            return_tensors="pt")
+    with torch.no_grad():
+      text = self.umt5(tokens.input_ids.to(self.device),
+                       tokens.attention_mask.to(self.device)).last_hidden_state
+    lengths = tokens.attention_mask.gt(0).sum(1).to(text.device)
+    kept = torch.arange(limit, device=text.device)[None, :] < lengths[:, None]
+    return dict(text=text.masked_fill(~kept[..., None], 0).float().cpu().numpy())
+
+
+def read_vae_config(folder):
+  """A diffusers folder's VAE config, its missing keys filled with AutoencoderKLWan's defaults
+  as diffusers fills them (the 2.1 folders' configs predate `scale_factor_spatial`)."""
+  import inspect
+  from diffusers import AutoencoderKLWan
+  path = os.path.join(folder, "config.json")
+  if not os.path.isfile(path):
+    raise UserError(f"{folder} has no config.json: model.diffusers_path must be a diffusers Wan "
+                    "pipeline folder, its vae/ as saved by diffusers")
+  with open(path) as f:
+    config = json.load(f)
+  parameters = inspect.signature(AutoencoderKLWan.__init__).parameters.values()
+  defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+  return {**defaults, **config}
+
+
+# Smallest Wan transformer with every structural feature, in non-released dims: an odd head
+# count, a head size (14) whose RoPE axes split unevenly (t 6, h 4, w 4: diffusers gives h and w
+# 2 * (14 // 6) each, t the rest), latent channels of the tiny VAE (9, odd), a text width of
+# the tiny UMT5's, a small timestep frequency width (RoPE's table length stays the released
+# 1024, which single files do not store either). Its single files say their head count in
+# their metadata (`save_comfyui`), since their weights do not show it.
+TINY_Z = 9
+TINY_WAN = dict(patch_size=(1, 2, 2), num_attention_heads=3, attention_head_dim=14,
+                in_channels=TINY_Z, out_channels=TINY_Z, text_dim=20, freq_dim=16, ffn_dim=64,
+                num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+# Wan 2.1 I2V on top: CLIP image features (a width of their own) through the image embedder
+# and the cross-attentions' added key/value projections (of the inner width, as released), and
+# the noisy latents joined by the first-frame mask (4 channels: the VAE's temporal factor) and
+# the condition latents.
+TINY_I2V = dict(image_dim=24, added_kv_proj_dim=3 * 14, in_channels=2 * TINY_Z + 4)
+# Wan 2.2 TI2V 5B: the 2.2 VAE's latents in and out (its first frame is given clean).
+TINY_TI2V = dict(in_channels=48, out_channels=48)
+
+# The tiny VAE: Wan 2.1's structure (4x temporal, 8x spatial: three 2x stages, the later two
+# also temporal), the released two resnets a stage (diffusers' VAE single-file conversion
+# assumes them), narrow stages with a multiplier of 3, and random latent statistics.
+TINY_VAE = dict(base_dim=8, z_dim=TINY_Z, dim_mult=[1, 2, 3, 3], num_res_blocks=2,
+                temperal_downsample=[False, True, True])
+# Wan 2.2's VAE (the TI2V 5B's): 2x2 patchified pixels (12 channels), residual down and up blocks,
+# 16x spatial, a decoder wider than the encoder, as released, at a tiny width; its 48 latent
+# channels kept, since they tell a TI2V transformer (`TINY_TI2V`) from a T2V one.
+TINY_VAE_22 = dict(base_dim=8, decoder_base_dim=12, z_dim=48, dim_mult=[1, 2, 2, 2],
+                   num_res_blocks=2, temperal_downsample=[False, True, True], is_residual=True,
+                   patch_size=2, in_channels=12, out_channels=12, scale_factor_spatial=16)
+FLOW_SHIFT = 3.0  # the released schedulers' flow_shift (diffusers' default for Wan, the 480p one)
+
+
+def build_tiny(seed=0, **overrides):
+  """A random diffusers `WanTransformer3DModel` (float32, eval mode); `**TINY_I2V` for I2V."""
+  from diffusers import WanTransformer3DModel
+  return tiny.build(WanTransformer3DModel, seed, **{**TINY_WAN, **overrides})
+
+
+def build_tiny_vae(seed=0, wan22=False):
+  """A random `AutoencoderKLWan` (float32, eval mode) of Wan 2.1's form, or 2.2's; its latent
+  statistics random too (they are config lists, not weights)."""
+  from diffusers import AutoencoderKLWan
+  config = TINY_VAE_22 if wan22 else TINY_VAE
+  rng = np.random.default_rng(seed)
+  z = config["z_dim"]
+  stats = dict(latents_mean=[round(float(x), 4) for x in rng.normal(0, 0.5, z)],
+               latents_std=[round(float(x), 4) for x in rng.uniform(0.5, 3.0, z)])
+  return tiny.build(AutoencoderKLWan, seed, **config, **stats)
+
+
+PREFIX = "model.diffusion_model."  # of the transformer in some of ComfyUI's files
+ORIGINAL_STEM = "diffusion_pytorch_model"  # Wan-AI's file names (as a diffusers folder's)
+WAN22_Z = 48  # the 2.2 VAE's latent channels: a transformer of 48 in and out is a TI2V
+
+
+def original_tensors(model):
+  """The transformer's tensors under Wan's original names (numpy float32), through the
+  family's table (tests/test_wan_encoders.py runs diffusers' own converter on them)."""
+  return wan_model.original_tensors(tiny.state_dict_numpy(model))
+
+
+def original_model_type(config):
+  """Wan-AI's config.json `model_type`: i2v where the latents carry a condition (more input
+  channels than output), ti2v for the 2.2 VAE's 48 channels, else t2v."""
+  if config.in_channels != config.out_channels:
+    return "i2v"
+  return "ti2v" if config.in_channels == WAN22_Z else "t2v"
+
+
+def original_config(model, model_type=None):
+  """The transformer's config.json as Wan-AI ships it beside the original weights."""
+  c = model.config
+  return {"_class_name": "WanModel", "_diffusers_version": "0.30.0",
+          "dim": c.num_attention_heads * c.attention_head_dim, "eps": c.eps, "ffn_dim": c.ffn_dim,
+          "freq_dim": c.freq_dim, "in_dim": c.in_channels,
+          "model_type": model_type or original_model_type(c), "num_heads": c.num_attention_heads,
+          "num_layers": c.num_layers, "out_dim": c.out_channels, "text_len": TEXT_TOKENS}
+
+
+def write_sharded(tensors, folder, shards, stem=ORIGINAL_STEM):
+  """Writes `tensors` in order as `shards` safetensors files `<stem>-0000i-of-0000n.safetensors`
+  of about equal size, with the index `<stem>.safetensors.index.json` that maps each tensor to
+  its file (Hugging Face's sharded layout, which Wan-AI's 14B folders use)."""
+  os.makedirs(folder, exist_ok=True)
+  total = sum(v.nbytes for v in tensors.values())
+  groups, size = [[] for _ in range(shards)], 0
+  for key, value in tensors.items():
+    groups[min(shards - 1, size * shards // max(total, 1))].append(key)
+    size += value.nbytes
+  weight_map = {}
+  for i, keys in enumerate(groups):
+    name = f"{stem}-{i + 1:05d}-of-{shards:05d}.safetensors"
+    write_safetensors({k: tensors[k] for k in keys}, os.path.join(folder, name))
+    weight_map.update(dict.fromkeys(keys, name))
+  with open(os.path.join(folder, f"{stem}.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  return folder
+
+
+def save_original(model, folder, model_type=None, shards=3):
+  """Writes Wan-AI's original transformer folder: its config.json and the weights under Wan's
+  names, sharded with an index."""
+  write_sharded(original_tensors(model), folder, shards)
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(original_config(model, model_type), f, indent=2)
+  return folder
+
+
+def is_block_linear(key, value):
+  """A block's Linear weight: what ComfyUI's fp8_e4m3fn files store in float8."""
+  return key.startswith("blocks.") and key.endswith(".weight") and value.ndim == 2
+
+
+def save_comfyui(model, path, prefix="", float8=False):
+  """Writes ComfyUI's single file: Wan's original names, optionally prefixed; float32, or as
+  its fp8_e4m3fn files: the blocks' Linear weights in float8 e4m3fn (scale 1), the rest bf16.
+  A head size other than the released 128 goes into the metadata (`num_heads`), which the
+  loader reads: the weights do not show it (released files need none)."""
+  import ml_dtypes
+  tensors = original_tensors(model)
+  if float8:
+    tensors = {k: v.astype(ml_dtypes.float8_e4m3fn if is_block_linear(k, v) else ml_dtypes.bfloat16)
+               for k, v in tensors.items()}
+  c = model.config
+  metadata = (None if c.attention_head_dim == wan_model.RELEASED_HEAD_DIM
+              else {"num_heads": str(c.num_attention_heads)})
+  write_safetensors({prefix + k: v for k, v in tensors.items()}, path, metadata=metadata)
+  return path
+
+
+def save_tiny(model, root, model_type=None) -> dict:
+  """`model` in every format `models.load` takes: a diffusers folder (one file, and sharded
+  with an index), Wan-AI's original folder, and ComfyUI's single file (unprefixed, prefixed).
+  `model_type`: the original config's (derived from the channels if not given)."""
+  kind = model_type or original_model_type(model.config)
+  comfyui = lambda name: os.path.join(root, f"wan2.1_{kind}_tiny_{name}.safetensors")
+  return dict(diffusers=tiny.save_diffusers(model, os.path.join(root, "pipeline")),
+              diffusers_sharded=tiny.save_diffusers(model, os.path.join(root, "sharded"),
+                                                    max_shard_size="100KB"),
+              original=save_original(model, os.path.join(root, f"Wan2.1-{kind}-tiny"), kind),
+              single_file=save_comfyui(model, comfyui("fp32")),
+              single_file_prefixed=save_comfyui(model, comfyui("comfy_fp32"), PREFIX))
+
+
+def write_tiny_pipeline(root, seed=0):
+  """Writes a complete tiny Wan 2.1 T2V pipeline folder (transformer, VAE, UMT5, tokenizer,
+  and the flow-matching Euler scheduler at the released shift) with the real classes, for
+  caching and end-to-end tests. Returns root."""
+  from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+  transformer, vae = build_tiny(seed), build_tiny_vae(seed + 1)
+  assert transformer.config.in_channels == vae.config.z_dim
+  tokenizer = tiny.t5_tokenizer()
+  text_encoder = tiny.umt5_encoder(tokenizer, transformer.config.text_dim, seed + 2)
+  WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+              scheduler=FlowMatchEulerDiscreteScheduler(shift=FLOW_SHIFT)).save_pretrained(root)
+  return root
+
+
+TORCH_SIDE = TorchSide(
+    load_encoders=lambda model_config, **kw: WanEncoders.load(
+        model_config.diffusers_path, frame_rate=model_config.frame_rate, **kw),
+    write_tiny_pipeline=write_tiny_pipeline,
+    build_tiny=build_tiny,
+    save_tiny=save_tiny,
+    pipeline="WanPipeline",
+)

@@ -1,0 +1,238 @@
+"""Wan's PyTorch side against diffusers: the cache's latents and text embeddings are WanPipeline's
+own (its VAE and latent normalisation; `encode_prompt` with its prompt cleaning, truncation and
+zeros after each prompt), the tiny pipeline runs in WanPipeline, and every format we write
+(diffusers, Wan-AI's original folder, ComfyUI's files: our inversion of diffusers' converter)
+reads back to the diffusers model through diffusers' own `convert_wan_transformer_to_diffusers`."""
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from diffusers import WanPipeline, WanTransformer3DModel
+from diffusers.loaders import single_file_utils
+
+from tolerances import assert_close
+from diffpipe_jax import tiny
+from diffpipe_jax.convert.tensorfile import open_tensor_file
+from diffpipe_jax.encoders import wan
+from diffpipe_jax.encoders.wan import WanEncoders
+from diffpipe_jax.errors import UserError
+
+FAMILY, PIPELINE = "wan", WanPipeline  # (the fixtures of conftest.py)
+LONG = "a slow pan over a red and green pattern " * 14  # past 512 tokens of the character T5
+
+
+def clips(frames, height=32, width=48, batch=2):
+  rng = np.random.default_rng(frames)
+  return rng.uniform(-1, 1, (batch, frames, height, width, 3)).astype(np.float32)
+
+
+def pipeline_stats(vae, like):
+  """WanPipeline's latents_mean and latents_std, which is 1 / the config's std."""
+  shape = (1, vae.config.z_dim, 1, 1, 1)
+  mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
+  std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
+  return mean, std
+
+
+def pipeline_latents(vae, pixels):
+  """WanImageToVideoPipeline's condition latents: the posterior's mode, (z - mean) * std. The
+  input is laid out contiguous, as the encoder lays it out (oneDNN sums a permuted view in
+  another order)."""
+  x = torch.from_numpy(np.ascontiguousarray(pixels.transpose(0, 4, 1, 2, 3)))
+  with torch.no_grad():
+    z = vae.encode(x).latent_dist.mode()
+  mean, std = pipeline_stats(vae, z)
+  return ((z - mean) * std).numpy()
+
+
+def pipeline_decode(vae, latents):
+  """WanPipeline's decoding: latents / std + mean through the VAE, as [B, F, H, W, 3]."""
+  z = torch.from_numpy(latents)
+  mean, std = pipeline_stats(vae, z)
+  with torch.no_grad():
+    return vae.decode(z / std + mean, return_dict=False)[0].numpy().transpose(0, 2, 3, 4, 1)
+
+
+def test_the_vae_factors_come_from_the_configs(encoders):
+  assert (encoders.pixel_multiple, encoders.frames_per_latent, encoders.frame_rate) == (16, 4, 16)
+  assert encoders.latent_grid(17, 64, 96) == (5, 8, 12)
+  assert encoders.latent_grid(1, 16, 32) == (1, 2, 4)
+  # the 2.2 TI2V's VAE: 16x spatial, so 32-pixel multiples with the transformer's 2x2 patches
+  vae_config = wan.build_tiny_vae(wan22=True).config
+  wan22 = WanEncoders("", "cpu", torch.float32, {}, 24, vae_config, (1, 2, 2))
+  assert (wan22.pixel_multiple, wan22.frames_per_latent) == (32, 4)
+  assert wan22.latent_grid(9, 64, 96) == (3, 4, 6)
+
+
+@pytest.mark.parametrize("frames", [5, 1])
+def test_latents_are_the_pipelines_and_decode_as_it_decodes(encoders, pipe, frames):
+  pixels = clips(frames)
+  got = encoders.encode_media(pixels)
+  assert got.shape == (2, wan.TINY_Z, *encoders.latent_grid(frames, 32, 48))
+  assert got.dtype == np.float32
+  assert_close(got, pipeline_latents(pipe.vae, pixels))
+  decoded = encoders.decode_media(got, encoders.latent_grid(frames, 32, 48))
+  assert decoded.shape == pixels.shape
+  assert_close(decoded, pipeline_decode(pipe.vae, got))
+
+
+def test_frames_and_sides_the_pipeline_refuses_are_errors(encoders):
+  with pytest.raises(ValueError, match="1 \\+ 4k frames with sides multiples of 16, got 8 frames"):
+    encoders.encode_media(clips(8))
+  with pytest.raises(ValueError, match="got 1 frames of 40x32"):
+    encoders.encode_media(clips(1, width=40))
+
+
+def test_text_is_the_pipelines_and_truncation_is_tallied(encoders, pipe):
+  """512 tokens, each prompt's embeddings kept to its own tokens and zeros after them; the
+  prompt cleaned first (HTML entities, runs of whitespace); a prompt cut at the limit."""
+  fits = "x" * 510  # Metaspace's leading "▁" and "</s>" make 512
+  captions = ["a red pattern", LONG, "", fits, fits + "y", "  a &amp;amp; red\n\n pattern "]
+  got = encoders.encode_text(captions)
+  with torch.no_grad():
+    embeds, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
+                                   max_sequence_length=512, device="cpu")
+  np.testing.assert_array_equal(got["text"], embeds.numpy())
+  assert list(got) == ["text"] and got["text"].shape == (6, 512, 20)
+  assert got["text"].dtype == np.float32
+  # the character T5's tokens: "▁" + characters (spaces are "▁") + "</s>", at most 512
+  lengths = [15, 512, 1, 512, 512, 17]
+  for row, n in zip(got["text"], lengths):
+    assert (row[n:] == 0).all() and (np.abs(row[:n]).sum(-1) > 0).all()
+  [note] = encoders.truncation_notes()
+  assert note.startswith("2 of 5 captions are longer than UMT5's 512 tokens")
+  # cleaned as "a & red pattern", as the pipeline cleans it
+  cleaned = encoders.encode_text(["a & red pattern"])["text"][0]
+  np.testing.assert_array_equal(got["text"][5], cleaned)
+
+
+def test_missing_folders_name_the_key_to_set(pipeline, tmp_path):
+  with pytest.raises(UserError, match="caching needs model.diffusers_path"):
+    WanEncoders.load("")
+  with pytest.raises(UserError, match="model.diffusers_path .*nope does not exist: set it to a "
+                     "diffusers Wan pipeline folder"):
+    WanEncoders.load(str(tmp_path / "nope"))
+  os.symlink(f"{pipeline}/vae", tmp_path / "vae")
+  with pytest.raises(UserError, match=f"{tmp_path} lacks the encoder folder\\(s\\) \\['tokenizer', "
+                     "'text_encoder'\\]: model.diffusers_path must be a diffusers Wan pipeline"):
+    WanEncoders.load(str(tmp_path))
+  for sub in ("tokenizer", "text_encoder"):
+    os.symlink(f"{pipeline}/{sub}", tmp_path / sub)
+  os.remove(tmp_path / "vae")
+  os.mkdir(tmp_path / "vae")  # a download that lacks its config
+  with pytest.raises(UserError, match="vae has no config.json: model.diffusers_path must be"):
+    WanEncoders.load(str(tmp_path))
+
+
+def test_the_tiny_pipeline_runs_in_wan_pipeline(pipe):
+  """Its scheduler is flow-matching Euler at the released shift, which our sampler reads."""
+  assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+  assert pipe.scheduler.config.shift == wan.FLOW_SHIFT == 3.0
+  video = pipe("a red pattern", num_inference_steps=1, height=16, width=32, num_frames=5,
+               output_type="np").frames
+  assert video.shape == (1, 5, 16, 32, 3) and np.isfinite(video).all()
+
+
+def test_every_tiny_weight_is_random(pipe):
+  """No parameter is left at a constant init (norms included), so a conversion that drops or
+  swaps one shows."""
+  for name, model in (("transformer", pipe.transformer), ("vae", pipe.vae),
+                      ("text_encoder", pipe.text_encoder)):
+    constant = [k for k, v in model.named_parameters() if v.numel() > 1 and v.std() == 0]
+    assert not constant, (name, constant)
+
+
+def test_the_i2v_and_wan22_overrides_build_working_models():
+  """I2V: image features through the added key/value projections (diffusers splits them from a
+  text of exactly 512 tokens); the 2.2 VAE: 48 channels, 16x spatial, for a TI2V transformer."""
+  model = wan.build_tiny(**wan.TINY_I2V)
+  assert model.condition_embedder.image_embedder is not None
+  with torch.no_grad():
+    out = model(torch.randn(1, wan.TINY_I2V["in_channels"], 2, 4, 6), torch.tensor([500.0]),
+                torch.randn(1, 512, 20), encoder_hidden_states_image=torch.randn(1, 5, 24)).sample
+  assert out.shape == (1, wan.TINY_Z, 2, 4, 6)
+  vae = wan.build_tiny_vae(wan22=True)
+  with torch.no_grad():
+    z = vae.encode(torch.randn(1, 3, 5, 32, 64)).latent_dist.mode()
+  assert z.shape == (1, wan.TINY_TI2V["in_channels"], 2, 2, 4)
+  assert wan.original_model_type(wan.build_tiny(**wan.TINY_TI2V).config) == "ti2v"
+
+
+def diffusers_names(tensors):
+  """A file's tensors (numpy) through diffusers' own converter, as float32 numpy."""
+  back = single_file_utils.convert_wan_transformer_to_diffusers(
+      {k: torch.from_numpy(v.astype(np.float32)) for k, v in tensors.items()})
+  return {k: v.numpy() for k, v in back.items()}
+
+
+def load_file(path):
+  """A safetensors file's tensors as numpy (float8 as ml_dtypes', which numpy lacks)."""
+  tensors = open_tensor_file(path)
+  return {k: np.array(tensors[k]) for k in tensors.keys()}
+
+
+def assert_same_tensors(got, want):
+  assert sorted(got) == sorted(want)
+  for key, value in want.items():
+    np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+@pytest.mark.parametrize("variant", ["t2v", "i2v"])
+def test_every_format_reads_back_to_the_diffusers_model(variant, tmp_path):
+  """Each file we write gives back every tensor: diffusers' folders through `from_pretrained`,
+  Wan's original names through diffusers' converter (so our table inverts it), ComfyUI's float8
+  file within float8 (its blocks' Linear weights) and bf16 (the rest) rounding."""
+  model = wan.build_tiny(seed=3, **(wan.TINY_I2V if variant == "i2v" else {}))
+  want = tiny.state_dict_numpy(model)
+  formats = wan.save_tiny(model, str(tmp_path))
+  assert sorted(formats) == ["diffusers", "diffusers_sharded", "original", "single_file",
+                             "single_file_prefixed"]
+  for name in ("diffusers", "diffusers_sharded"):
+    loaded = WanTransformer3DModel.from_pretrained(formats[name], subfolder="transformer")
+    assert_same_tensors(tiny.state_dict_numpy(loaded), want)
+  assert os.path.isfile(f"{formats['diffusers_sharded']}/transformer/"
+                        "diffusion_pytorch_model.safetensors.index.json")
+
+  folder = formats["original"]
+  with open(f"{folder}/diffusion_pytorch_model.safetensors.index.json") as f:
+    weight_map = json.load(f)["weight_map"]
+  shards = sorted(set(weight_map.values()))
+  assert shards == [f"diffusion_pytorch_model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+  original = {k: v for shard in shards for k, v in load_file(f"{folder}/{shard}").items()}
+  assert sorted(original) == sorted(weight_map)
+  assert {"patch_embedding.weight", "text_embedding.2.bias", "time_projection.1.weight",
+          "blocks.2.self_attn.norm_q.weight", "blocks.0.cross_attn.o.bias", "blocks.1.norm3.weight",
+          "blocks.0.ffn.2.weight", "blocks.2.modulation", "head.head.weight",
+          "head.modulation"} <= set(original)
+  assert ({"blocks.0.cross_attn.k_img.weight", "blocks.0.cross_attn.norm_k_img.weight",
+           "img_emb.proj.0.weight", "img_emb.proj.4.bias"} <= set(original)) == (variant == "i2v")
+  assert_same_tensors(diffusers_names(original), want)
+  with open(f"{folder}/config.json") as f:
+    config = json.load(f)
+  in_dim = wan.TINY_I2V["in_channels"] if variant == "i2v" else wan.TINY_Z
+  assert config == {"_class_name": "WanModel", "_diffusers_version": "0.30.0", "dim": 42,
+                    "eps": 1e-6, "ffn_dim": 64, "freq_dim": 16, "in_dim": in_dim,
+                    "model_type": variant, "num_heads": 3, "num_layers": 3, "out_dim": wan.TINY_Z,
+                    "text_len": 512}
+
+  comfyui, prefixed = load_file(formats["single_file"]), load_file(formats["single_file_prefixed"])
+  assert_same_tensors(comfyui, original)
+  assert_same_tensors(prefixed, {wan.PREFIX + k: v for k, v in original.items()})
+  assert_same_tensors(diffusers_names(prefixed), want)
+  for name in ("single_file", "single_file_prefixed"):  # as a user loads it, the folder's config given
+    loaded = WanTransformer3DModel.from_single_file(formats[name], config=formats["diffusers"],
+                                                    subfolder="transformer")
+    assert_same_tensors(tiny.state_dict_numpy(loaded), want)
+
+  fp8 = load_file(wan.save_comfyui(model, str(tmp_path / "fp8_e4m3fn.safetensors"), float8=True))
+  float8 = {k for k, v in fp8.items() if v.dtype == ml_dtypes.float8_e4m3fn}
+  assert float8 == {k for k, v in original.items()
+                    if k.startswith("blocks.") and k.endswith(".weight") and v.ndim == 2}
+  assert {fp8[k].dtype for k in set(fp8) - float8} == {np.dtype(ml_dtypes.bfloat16)}
+  rounded = {k: v.astype(ml_dtypes.float8_e4m3fn if k in float8 else ml_dtypes.bfloat16)
+             for k, v in original.items()}
+  assert_same_tensors(diffusers_names(fp8), diffusers_names(rounded))
+  assert_close(diffusers_names(fp8), want, bound=0.05)  # e4m3's 3 mantissa bits: 2^-4 at most
