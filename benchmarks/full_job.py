@@ -71,6 +71,29 @@ RECIPES = {
                # (BENCHMARKS.md#hunyuan-step-swap)
                "24": dict(overrides={"model.transformer_dtype": "float8", "blocks_to_swap": 40},
                           modes="fp8 base + per-block remat (unrolled)", swap=40)}),
+    "wan": dict(  # Wan 2.1 T2V 14B at its 480p size, 832x480x33
+        config="wan", data="videos", formats=dict(
+            diffusers=lambda m: dict(diffusers_path=m),
+            # ComfyUI's transformer file; our Wan encoders read a diffusers folder, so `m` holds
+            # both: the file, and full_size.py's `--wan 1.3b` diffusers folder (the same UMT5 and
+            # VAE as the 14B's) in diffusers/
+            comfyui=lambda m: dict(transformer_path=f"{m}/wan2.1_t2v_14B_bf16.safetensors",
+                                   diffusers_path=f"{m}/diffusers")),
+        single_file="model.transformer_path",  # another ComfyUI file (its fp8_e4m3fn one)
+        # one bucket of 832x480 (res^2 ~ 832 * 480, ar 832/480; both sides multiples of 16): the
+        # 768x512 clips are upscaled 1.08x and the 960x544 ones downscaled to cover it, cropped.
+        # 33 frames at 16 fps (2.06 s): the 21 clips of 2.5 s or more; the three of 2 s (32
+        # frames at 16 fps) are skipped, as the log says
+        dataset={"dataset.resolutions": "(632,)", "dataset.min_ar": 1.733, "dataset.max_ar": 1.733,
+                 "dataset.num_ar_buckets": 1, "dataset.frame_buckets": "(1, 33)"},
+        step=dict(model="wan", res=480, width=832, frames=33),
+        cards={"80": dict(overrides={}, modes="per-block remat", swap=0),
+               # a guess, to be measured: the fp8 blocks are 0.33 GiB each, and HunyuanVideo's
+               # other memory at 24 GiB (BENCHMARKS.md#hunyuan-step-swap, about 11 GiB at 9.5k
+               # tokens), scaled to Wan's 14k tokens of width 5120, leaves about ten blocks on the
+               # device in JAX's 18 GiB
+               "24": dict(overrides={"model.transformer_dtype": "float8", "blocks_to_swap": 30},
+                          modes="fp8 base + per-block remat (unrolled)", swap=30)}),
 }
 PROMPTS = ("a photograph of a red cube on a wooden table, morning light",
            "a watercolour of a lighthouse at dusk")
@@ -212,8 +235,9 @@ def main():
   p.add_argument("--family", choices=sorted(RECIPES), default="flux")
   p.add_argument("--models", help="the family's folder (full_size.py's format)")
   p.add_argument("--format", default=None, help="the folder's format (full_size.py --format), if "
-                 "not the recipe's first (HunyuanVideo: comfyui or official)")
-  p.add_argument("--single_file", default="", help="the family's single file (Flux: "
+                 "not the recipe's first (HunyuanVideo: comfyui or official; Wan: diffusers or "
+                 "comfyui)")
+  p.add_argument("--single_file", default="", help="the family's single file (Flux, Wan: "
                  "model.transformer_path; LTX-Video: model.single_file_path)")
   p.add_argument("--data", help="full_size.py --dataset's folder")
   p.add_argument("--card", choices=("80", "24"), default="80")

@@ -8,6 +8,9 @@ media files, for running the whole job at full size on a GPU machine that reache
   python benchmarks/full_size.py --family ltx-video --format single_file --out /data/ltx
   python benchmarks/full_size.py --family hunyuan-video --format comfyui --out /data/hunyuan
   python benchmarks/full_size.py --family hunyuan-video --format official --out /data/hunyuan/ckpts
+  python benchmarks/full_size.py --family wan --format diffusers --out /data/Wan2.1-T2V-14B-Diffusers
+  python benchmarks/full_size.py --family wan --format comfyui --out /data/wan   # + --fp8
+  python benchmarks/full_size.py --family wan --format diffusers --wan 1.3b --out /data/wan/diffusers
   python benchmarks/full_size.py --dataset --out /data/media
 
 Disk at full size (`--dry-run` lists every weight file's bytes and writes nothing):
@@ -26,6 +29,17 @@ Disk at full size (`--dry-run` lists every weight file's bytes and writes nothin
   hunyuan-video official  44.4 GB  hunyuan-video-t2v-720p/transformers/mp_rank_00_model_states.pt
                                    (bf16), hunyuan-video-t2v-720p/vae/ (float32), text_encoder/,
                                    text_encoder_2/: diffusion-pipe's model.ckpt_path
+  wan diffusers           40.2 GB  Wan2.1-T2V-14B-Diffusers: transformer/ (6 shards), text_encoder/
+                                   (UMT5-XXL, 3 shards), vae/, tokenizer/, scheduler/,
+                                   model_index.json; all bf16 (--wan 1.3b: 14.5 GB, the
+                                   transformer one file, the same encoders)
+  wan comfyui             28.6 GB  wan2.1_t2v_14B_bf16.safetensors (Wan's names; --fp8: the
+                                   fp8_e4m3fn file, 14.5 GB; --wan 1.3b: 2.8 GB), the transformer
+                                   alone: ComfyUI's encoder files are not read (our Wan encoders
+                                   load from a diffusers folder), so the job takes it as
+                                   model.transformer_path beside a `wan diffusers` folder as
+                                   model.diffusers_path, the 1.3B's (the 14B's encoders, and both
+                                   fit the disk: 43 GB)
   dataset                < 0.1 GB  images/ (40), videos/ (24 H.264 clips), eval/ (4), captions
 
 The tensor lists are the real classes' (instantiated on the meta device from the released
@@ -64,8 +78,10 @@ from diffpipe_jax.convert import table  # noqa: E402
 from diffpipe_jax.convert.tensorfile import DTYPES  # noqa: E402
 from diffpipe_jax.encoders import hunyuan_video as hunyuan_side  # noqa: E402
 from diffpipe_jax.encoders import ltx_video as ltx_side  # noqa: E402
+from diffpipe_jax.encoders import wan as wan_side  # noqa: E402
 from diffpipe_jax.files import atomic_write  # noqa: E402
-from diffpipe_jax.models import flux, hunyuan_video, ltx_video  # noqa: E402
+from diffpipe_jax.models import flux, hunyuan_video, ltx_video, wan  # noqa: E402
+from benchmarks.train_step import WAN  # noqa: E402  (the released Wan sizes)
 
 # ------------------------------------------------------------------------------------------------
 # The released configs, as the repos' config.json files hold them.
@@ -153,11 +169,33 @@ RELEASED = dict(
             hidden_size=1024, intermediate_size=4096, projection_dim=768, num_hidden_layers=24,
             num_attention_heads=16, image_size=224, patch_size=14, hidden_act="quick_gelu",
             layer_norm_eps=1e-5)),
+    # Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (`--wan 1.3b`: the 1.3B's widths,
+    # heads, MLP and depth from train_step.py's WAN)
+    wan_transformer=dict(
+        patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None,
+        added_kv_proj_dim=None, rope_max_seq_len=1024),
+    # Wan2.1-T2V-*-Diffusers vae/config.json; its 16 latents_mean and latents_std are diffusers'
+    # AutoencoderKLWan defaults (the released values)
+    wan_vae=dict(
+        base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+        temperal_downsample=[False, True, True], dropout=0.0),
+    # Wan2.1-T2V-*-Diffusers text_encoder/config.json: google/umt5-xxl's encoder
+    umt5_xxl=dict(
+        vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_decoder_layers=24,
+        num_heads=64, relative_attention_num_buckets=32, relative_attention_max_distance=128,
+        dropout_rate=0.1, layer_norm_epsilon=1e-6, initializer_factor=1.0,
+        feed_forward_proj="gated-gelu", is_encoder_decoder=True, use_cache=True, pad_token_id=0,
+        eos_token_id=1, decoder_start_token_id=0, tie_word_embeddings=False,
+        classifier_dropout=0.0, scalable_attention=True),
 )
 
 # The released files' shard size per model (what their save_pretrained was given): FLUX.1-dev's
-# transformer 3 shards, T5-XXL 2, the LLaMA 4; every other model is one file.
-MAX_SHARD_SIZE = dict(flux_transformer="10GB", t5_xxl="5GB", llama_3_8b="5GB")
+# transformer 3 shards, T5-XXL 2, the LLaMA 4, Wan's transformer and UMT5 5 GB each (here in
+# bf16: 6 and 3 shards; Wan 2.1's float32 release has 12 and 5); every other model is one file.
+MAX_SHARD_SIZE = dict(flux_transformer="10GB", t5_xxl="5GB", llama_3_8b="5GB",
+                      wan_transformer="5GB", umt5_xxl="5GB")
 ONE_FILE = "20GB"
 
 # --shrink: the same structure in small, odd dimensions (several blocks of each kind, odd head
@@ -190,8 +228,15 @@ SHRUNK = dict(
                                  num_hidden_layers=2, num_attention_heads=2),
                 vision_config=dict(hidden_size=16, intermediate_size=24, projection_dim=20,
                                    num_hidden_layers=1, num_attention_heads=2, image_size=28)),
+    # the 16 latent channels kept: the VAE's 16 released latent statistics go with them
+    wan_transformer=dict(num_attention_heads=3, attention_head_dim=14, text_dim=40, freq_dim=16,
+                         ffn_dim=56, num_layers=3),
+    wan_vae=dict(base_dim=8, dim_mult=[1, 2, 3, 3]),
+    umt5_xxl=dict(vocab_size=320, d_model=40, d_kv=8, d_ff=72, num_layers=3, num_decoder_layers=3,
+                  num_heads=3),
 )
-SHRUNK_SHARD_SIZE = dict(flux_transformer="1MB", t5_xxl="50KB", llama_3_8b="110KB")
+SHRUNK_SHARD_SIZE = dict(flux_transformer="1MB", t5_xxl="50KB", llama_3_8b="110KB",
+                         wan_transformer="32KB", umt5_xxl="40KB")
 
 
 def config(name: str, shrink: bool) -> dict:
@@ -255,8 +300,8 @@ def initial_value(module, name: str, shape) -> Tuple[str, float]:
     return (NORMAL, math.prod(shape[1:]) ** -0.5) if name == "weight" else (CONSTANT, 0.0)
   if isinstance(module, torch.nn.Embedding):
     return NORMAL, EMBEDDING_STD
-  if "Norm" in type(module).__name__:
-    return CONSTANT, 1.0 if name == "weight" else 0.0
+  if "norm" in type(module).__name__.lower():  # Wan VAE's WanRMS_norm scales by `gamma`
+    return CONSTANT, 1.0 if name in ("weight", "gamma") else 0.0
   if name in OTHER_INITS:
     return OTHER_INITS[name](module, shape)
   raise ValueError(f"no initial value for {type(module).__name__}.{name} {tuple(shape)}")
@@ -644,16 +689,20 @@ def ltx_single_file(shrink: bool) -> Plan:
   return Plan([WeightFile("ltx-video-2b-v0.9.1.safetensors", tuple(tensors), metadata)])
 
 
-def tencent_transformer(shrink: bool, block_linear_dtype) -> Dict[str, Tensor]:
-  """HunyuanVideo's transformer under Tencent's names (our table's), bf16 but for the blocks'
-  Linear weights (the float8 targets of our loader), which are `block_linear_dtype`."""
-  model = diffusers_model("HunyuanVideoTransformer3DModel", config("hunyuan_transformer", shrink))
-  tensors = fused(model_tensors(model, model.state_dict().keys(), torch.bfloat16),
-                  hunyuan_video.DIFFUSERS_TABLE)
+def original_transformer(model, family, block_linear_dtype=torch.bfloat16) -> Dict[str, Tensor]:
+  """A diffusers transformer under the family's own names (its `DIFFUSERS_TABLE`), bf16 but for
+  the blocks' Linear weights (the float8 targets of our loader), which are `block_linear_dtype`."""
+  tensors = fused(model_tensors(model, model.state_dict().keys(), torch.bfloat16), family.DIFFUSERS_TABLE)
   block_linear = lambda t: (len(t.shape) == 2 and t.name.endswith(".weight") and table.matches(
-      t.name[:-len(".weight")], hunyuan_video.FAMILY.float8_targets))
+      t.name[:-len(".weight")], family.FAMILY.float8_targets))
   dtype = SAFETENSORS_DTYPE[block_linear_dtype]
   return {k: dataclasses.replace(t, dtype=dtype) if block_linear(t) else t for k, t in tensors.items()}
+
+
+def tencent_transformer(shrink: bool, block_linear_dtype) -> Dict[str, Tensor]:
+  """HunyuanVideo's transformer under Tencent's names (our table's)."""
+  model = diffusers_model("HunyuanVideoTransformer3DModel", config("hunyuan_transformer", shrink))
+  return original_transformer(model, hunyuan_video, block_linear_dtype)
 
 
 def hunyuan_vae(shrink: bool):
@@ -705,10 +754,51 @@ def hunyuan_official(shrink: bool) -> Plan:
           + llama_folder("text_encoder", shrink) + clip_folder("text_encoder_2", shrink))
 
 
+def wan_transformer(shrink: bool, size: str):
+  """Wan 2.1 T2V's transformer: the 14B's config, or the 1.3B's sizes (`size`, train_step.py's
+  `WAN`)."""
+  dim, heads, ffn, layers, _, _ = WAN[size]
+  sized = dict(num_attention_heads=heads, attention_head_dim=dim // heads, ffn_dim=ffn, num_layers=layers)
+  return diffusers_model("WanTransformer3DModel", {**config("wan_transformer", shrink),
+                                                   **({} if shrink else sized)})
+
+
+def wan_diffusers(shrink: bool, size: str = "14b") -> Plan:
+  """Wan-AI/Wan2.1-T2V-14B-Diffusers (or -1.3B-) as WanPipeline's save_pretrained writes it, bf16
+  (the Hub's 2.1 folders are float32: this halves the 14B's, so that it fits the GPU machine's
+  disk) in 5 GB shards as theirs; the scheduler as our tiny pipeline's (the flow-matching Euler
+  scheduler at the released shift, where the Hub's folders name UniPC)."""
+  components = dict(
+      scheduler=scheduler(dict(shift=wan_side.FLOW_SHIFT)),
+      vae=diffusers_model("AutoencoderKLWan", config("wan_vae", shrink)),
+      text_encoder=transformers_model("UMT5EncoderModel", "UMT5Config", config("umt5_xxl", shrink)),
+      tokenizer=tiny.t5_tokenizer(),
+      transformer=wan_transformer(shrink, size))
+  shards = dict(transformer=max_shard_size("wan_transformer", shrink), vae=ONE_FILE,
+                text_encoder=max_shard_size("umt5_xxl", shrink))
+  return pipeline_folder("WanPipeline", components, torch.bfloat16, shards)
+
+
+def wan_comfyui_name(size: str = "14b", float8: bool = False) -> str:
+  """Comfy-Org's repackaged file of Wan 2.1 T2V's transformer."""
+  return f"wan2.1_t2v_{size.upper()}_{'fp8_e4m3fn' if float8 else 'bf16'}.safetensors"
+
+
+def wan_comfyui(shrink: bool, size: str = "14b", float8: bool = False) -> Plan:
+  """ComfyUI's transformer file (model.transformer_path) under Wan's original names, bf16, or
+  with `float8` as its fp8_e4m3fn file (the blocks' Linear weights). A shrunk head size other
+  than the released 128 is said in the metadata, as the tiny files say it."""
+  model = wan_transformer(shrink, size)
+  tensors = original_transformer(model, wan, torch.float8_e4m3fn if float8 else torch.bfloat16)
+  return Plan([WeightFile(wan_comfyui_name(size, float8), tuple(tensors.values()),
+                          wan_side.comfyui_metadata(model.config))])
+
+
 FORMATS = {
     "flux": dict(diffusers=flux_diffusers, single_file=flux_single_file),
     "ltx-video": dict(diffusers=ltx_diffusers, single_file=ltx_single_file),
     "hunyuan-video": dict(comfyui=hunyuan_comfyui, official=hunyuan_official),
+    "wan": dict(diffusers=wan_diffusers, comfyui=wan_comfyui),  # --wan, --fp8: their options
 }
 
 
@@ -897,7 +987,9 @@ def main(argv=None):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--family", choices=sorted(FORMATS))
   parser.add_argument("--format", help="diffusers or single_file (flux, ltx-video); "
-                                       "comfyui or official (hunyuan-video)")
+                                       "comfyui or official (hunyuan-video); diffusers or comfyui (wan)")
+  parser.add_argument("--wan", choices=("1.3b", "14b"), help="wan: the transformer's size (14b)")
+  parser.add_argument("--fp8", action="store_true", help="wan comfyui: the fp8_e4m3fn file")
   parser.add_argument("--dataset", action="store_true", help="write the media dataset instead")
   parser.add_argument("--out", required=True, help="the folder to write into")
   parser.add_argument("--dry-run", action="store_true", help="list the weight files and their "
@@ -916,7 +1008,12 @@ def main(argv=None):
   formats = FORMATS.get(args.family, {})
   if args.format not in formats:
     parser.error(f"--family {args.family} takes --format {' or '.join(formats) or '(a family first)'}")
-  plan = formats[args.format](args.shrink)
+  if (args.wan and args.family != "wan") or (args.fp8 and (args.family, args.format) != ("wan", "comfyui")):
+    parser.error("--wan is for --family wan, --fp8 for its --format comfyui")
+  options = dict(size=args.wan or "14b") if args.family == "wan" else {}
+  if args.fp8:
+    options["float8"] = True
+  plan = formats[args.format](args.shrink, **options)
   print(f"{args.family} {args.format}{' (shrunk)' if args.shrink else ''} -> {args.out}")
   if args.dry_run:
     print_plan(plan)

@@ -221,20 +221,30 @@ SHRUNK_USES = {
                                         llm_path="llava-llama-3-8b-text-encoder-tokenizer",
                                         clip_path="clip-vit-large-patch14")),
     ("hunyuan-video", "official"): ("", dict(diffusers_path=None, ckpt_path="")),
+    ("wan", "diffusers"): ("", dict(diffusers_path="")),
+    # ComfyUI's transformer file, its encoders from a diffusers folder (full_job.py's recipe)
+    ("wan", "comfyui"): ("wan2.1_t2v_14B_bf16.safetensors", dict(diffusers_path="../wan-diffusers")),
+    ("wan", "comfyui --fp8"): ("wan2.1_t2v_14B_fp8_e4m3fn.safetensors",
+                               dict(diffusers_path="../wan-diffusers")),
 }
+# the variants a flag writes, beside each family's formats: (family, name) -> (format, flags)
+SHRUNK_VARIANTS = {("wan", "comfyui --fp8"): ("comfyui", ["--fp8"])}
+# a float8 file's block Linear, which the loader keeps float8 (the float8 base)
+FLOAT8_KERNEL = {"hunyuan-video": ("double_blocks", "img_attn_qkv"), "wan": ("blocks", "self_attn", "q")}
 
 
 @pytest.fixture(scope="module")
 def shrunk_formats(tmp_path_factory):
-  """Every family's every format, written by the command line at --shrink: (family, format) ->
-  its folder."""
+  """Every family's every format and `SHRUNK_VARIANTS`, written by the command line at
+  --shrink: (family, format or variant) -> its folder."""
   root = tmp_path_factory.mktemp("full_size")
+  written = {(family, format): (format, []) for family, formats in full_size.FORMATS.items()
+             for format in formats}
   folders = {}
-  for family, formats in full_size.FORMATS.items():
-    for format in formats:
-      folders[family, format] = str(root / f"{family}-{format}")
-      full_size.main(["--family", family, "--format", format, "--out", folders[family, format],
-                      "--shrink"])
+  for (family, name), (format, flags) in {**written, **SHRUNK_VARIANTS}.items():
+    folders[family, name] = str(root / f"{family}-{name.replace(' --', '-')}")
+    full_size.main(["--family", family, "--format", format, "--out", folders[family, name],
+                    "--shrink", *flags])
   return folders
 
 
@@ -257,7 +267,8 @@ def test_full_size_formats_load_as_users_load_them(shrunk_formats, family, forma
   model = models.load(family, in_folder(folder, model_path), progress=False,
                       transformer_dtype="float8" if float8 else None)
   if float8:
-    assert model.params["double_blocks"]["img_attn_qkv"]["kernel"].dtype == jnp.float8_e4m3fn
+    block_linear = functools.reduce(dict.__getitem__, FLOAT8_KERNEL[family], model.params)
+    assert block_linear["kernel"].dtype == jnp.float8_e4m3fn
   if keys is None:  # BFL's file is the transformer alone
     return
   model_config = family_config(family).model
@@ -275,7 +286,7 @@ def test_full_size_diffusers_folders_load_in_diffusers(shrunk_formats):
   import diffusers
   import torch
   from diffpipe_jax.convert.tensorfile import TensorFiles, safetensors_in_folder
-  for family, pipeline in (("flux", "FluxPipeline"), ("ltx-video", "LTXPipeline")):
+  for family, pipeline in (("flux", "FluxPipeline"), ("ltx-video", "LTXPipeline"), ("wan", "WanPipeline")):
     folder = shrunk_formats[family, "diffusers"]
     pipe = getattr(diffusers, pipeline).from_pretrained(folder, dtype=torch.bfloat16)
     with open(f"{folder}/model_index.json") as f:
@@ -306,7 +317,10 @@ def safetensors_summary(folder):
     ("diffusers", "AutoencoderKLLTXVideo", None, "ltx_vae", "bfloat16"),
     ("transformers", "T5EncoderModel", "T5Config", "t5_xxl", "bfloat16"),
     ("transformers", "LlamaForCausalLM", "LlamaConfig", "llama_3_8b", "float16"),
-    ("transformers", "CLIPModel", "CLIPConfig", "clip_l", "float32")])
+    ("transformers", "CLIPModel", "CLIPConfig", "clip_l", "float32"),
+    ("diffusers", "WanTransformer3DModel", None, "wan_transformer", "bfloat16"),
+    ("diffusers", "AutoencoderKLWan", None, "wan_vae", "bfloat16"),
+    ("transformers", "UMT5EncoderModel", "UMT5Config", "umt5_xxl", "bfloat16")])
 def test_full_size_folders_are_what_save_pretrained_writes(tmp_path, library, model, config_class,
                                                           name, dtype):
   """The same files (shards and index), tensor names, shapes, dtypes, metadata and config files
@@ -327,14 +341,13 @@ def test_full_size_folders_are_what_save_pretrained_writes(tmp_path, library, mo
   full_size.write_plan(plan, str(tmp_path))
   ours, theirs = safetensors_summary(tmp_path / "ours"), safetensors_summary(tmp_path / "real")
   assert ours == theirs
-  assert (len([f for f in ours if f.endswith(".safetensors")])
-          == (3 if name == "flux_transformer" else 4 if name == "llama_3_8b" else
-              2 if name == "t5_xxl" else 1))  # the released files' shards
+  shards = dict(flux_transformer=3, llama_3_8b=4, t5_xxl=2, wan_transformer=6, umt5_xxl=3)
+  assert len([f for f in ours if f.endswith(".safetensors")]) == shards.get(name, 1)  # the released
 
 
 def test_full_size_weights_are_drawn_as_the_models_initialise_them(shrunk_formats):
-  """Linear weights N(0, 1/fan_in), biases 0, norms 1, embeddings N(0, 0.02^2); ComfyUI's file
-  has the blocks' Linear weights in float8 (within its range) and the rest in bf16."""
+  """Linear weights N(0, 1/fan_in), biases 0, norms 1, embeddings N(0, 0.02^2); ComfyUI's float8
+  files have the blocks' Linear weights in float8 (within its range) and the rest in bf16."""
   from safetensors.numpy import load_file
   folder = shrunk_formats["flux", "single_file"]
   tensors = {k: v.astype(np.float32) for k, v in load_file(f"{folder}/flux1-dev.safetensors").items()}
@@ -344,13 +357,20 @@ def test_full_size_weights_are_drawn_as_the_models_initialise_them(shrunk_format
   assert (tensors["double_blocks.0.img_attn.norm.query_norm.scale"] == 1).all()
   t5 = load_file(f"{shrunk_formats['flux', 'diffusers']}/text_encoder_2/model-00001-of-00002.safetensors")
   assert abs(t5["shared.weight"].astype(np.float32).std() / 0.02 - 1) < 0.05
+  vae = load_file(f"{shrunk_formats['wan', 'diffusers']}/vae/diffusion_pytorch_model.safetensors")
+  gammas = [v for k, v in vae.items() if k.endswith(".gamma")]  # Wan's RMS norms' scales
+  assert gammas and all((v.astype(np.float32) == 1).all() for v in gammas)
   from diffpipe_jax.convert.tensorfile import read_header
-  header, _ = read_header(f"{shrunk_formats['hunyuan-video', 'comfyui']}/"
-                          "hunyuan_video_720_cfgdistill_fp8_e4m3fn.safetensors")
-  float8 = {k for k, e in header.items() if e["dtype"] == "F8_E4M3"}
-  assert float8 == {k for k, e in header.items() if k.startswith(("double_blocks.", "single_blocks."))
-                    and k.endswith(".weight") and len(e["shape"]) == 2}
-  assert {e["dtype"] for k, e in header.items() if k not in float8} == {"BF16"}
+  for family, file, blocks in (
+      ("hunyuan-video", "comfyui/hunyuan_video_720_cfgdistill_fp8_e4m3fn.safetensors",
+       ("double_blocks.", "single_blocks.")),
+      ("wan", "comfyui --fp8/wan2.1_t2v_14B_fp8_e4m3fn.safetensors", ("blocks.",))):
+    name, file = file.split("/")
+    header, _ = read_header(f"{shrunk_formats[family, name]}/{file}")
+    float8 = {k for k, e in header.items() if e["dtype"] == "F8_E4M3"}
+    assert float8 == {k for k, e in header.items() if k.startswith(blocks)
+                      and k.endswith(".weight") and len(e["shape"]) == 2}, family
+    assert {e["dtype"] for k, e in header.items() if k not in float8} == {"BF16"}, family
 
 
 def test_full_size_torch_pickle_reads_back_exactly(shrunk_formats):

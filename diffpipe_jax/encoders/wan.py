@@ -293,20 +293,24 @@ def is_block_linear(key, value):
   return key.startswith("blocks.") and key.endswith(".weight") and value.ndim == 2
 
 
+def comfyui_metadata(config):
+  """A ComfyUI file's metadata: a head size other than the released 128 as `num_heads`, which
+  the loader reads (the weights do not show it); released files need none."""
+  return (None if config.attention_head_dim == wan_model.RELEASED_HEAD_DIM
+          else {"num_heads": str(config.num_attention_heads)})
+
+
 def save_comfyui(model, path, prefix="", float8=False):
   """Writes ComfyUI's single file: Wan's original names, optionally prefixed; float32, or as
-  its fp8_e4m3fn files: the blocks' Linear weights in float8 e4m3fn (scale 1), the rest bf16.
-  A head size other than the released 128 goes into the metadata (`num_heads`), which the
-  loader reads: the weights do not show it (released files need none)."""
+  its fp8_e4m3fn files: the blocks' Linear weights in float8 e4m3fn (scale 1), the rest bf16;
+  `comfyui_metadata`."""
   import ml_dtypes
   tensors = original_tensors(model)
   if float8:
     tensors = {k: v.astype(ml_dtypes.float8_e4m3fn if is_block_linear(k, v) else ml_dtypes.bfloat16)
                for k, v in tensors.items()}
-  c = model.config
-  metadata = (None if c.attention_head_dim == wan_model.RELEASED_HEAD_DIM
-              else {"num_heads": str(c.num_attention_heads)})
-  write_safetensors({prefix + k: v for k, v in tensors.items()}, path, metadata=metadata)
+  write_safetensors({prefix + k: v for k, v in tensors.items()}, path,
+                    metadata=comfyui_metadata(model.config))
   return path
 
 
