@@ -29,7 +29,7 @@ MISTAKES = [  # (arguments, the line)
      "--config configs/flux.py:tinyy: no such variant; use configs/flux.py or configs/flux.py:tiny"),
     (["--config", "configs/flx.py"],
      "--config configs/flx.py: no such file; use configs/flux.py, configs/hunyuan_video.py, "
-     "configs/ltx_video.py (each optionally :tiny) or a diffusion-pipe training TOML"),
+     "configs/ltx_video.py, configs/wan.py (each optionally :tiny) or a diffusion-pipe training TOML"),
     (["--config=configs/diffusion_pipe.py"],
      "configs/diffusion_pipe.py needs a TOML: --config configs/diffusion_pipe.py:FILE.toml"),
     (["--config", "missing.toml"], "--config missing.toml: no such file"),
@@ -44,7 +44,7 @@ def test_a_config_file_or_variant_that_does_not_exist_is_one_line(monkeypatch, a
 def test_outside_a_checkout_a_missing_config_file_names_the_packages(monkeypatch, tmp_path):
   """From another directory (an installed package) the configs to use are the package's own."""
   monkeypatch.chdir(tmp_path)
-  ours = ", ".join(os.path.join(cli.CONFIGS, f) for f in ("flux.py", "hunyuan_video.py", "ltx_video.py"))
+  ours = ", ".join(os.path.join(cli.CONFIGS, f) for f in ("flux.py", "hunyuan_video.py", "ltx_video.py", "wan.py"))
   assert cli.missing_config_file("flx.py") == (
       f"--config flx.py: no such file; use {ours} (each optionally :tiny) or a diffusion-pipe training TOML")
   assert all(os.path.isfile(os.path.join(cli.CONFIGS, f)) for f in ("flux.py", "common.py", "diffusion_pipe.py"))
