@@ -328,7 +328,7 @@ def shape_defaults(a):
 def main():
   p = shape_arguments(frames=121)
   p.add_argument("--rank", type=int, default=32)
-  p.add_argument("--steps", type=int, default=8)
+  p.add_argument("--steps", type=int, default=8, help="timed steps, ours and the peer's, after warm-up")
   p.add_argument("--peer", default="", help="path of the family's peer (peer_torch_flux.py, "
                  "peer_torch_video.py): run it too, --ckpt 0 and 1")
   p.add_argument("--peer_ckpt", default="0,1", help="the peer's --ckpt values to run (0: no gradient "
@@ -368,7 +368,8 @@ def main():
   ours = {(m, int(n), l): sub(common + ["--run", f"{m}@{l}@{n}"], env)
           for m, n in zip(modes, swaps) for l in meshes}
   shape = SHAPES[a.model](a)
-  peer = {ckpt: sub([sys.executable, a.peer, *shape.peer_args, "--rank", str(a.rank), "--ckpt", str(ckpt)])
+  peer = {ckpt: sub([sys.executable, a.peer, *shape.peer_args, "--rank", str(a.rank), "--ckpt", str(ckpt),
+                     "--steps", str(a.steps)])
           for ckpt in (map(int, a.peer_ckpt.split(",")) if a.peer else ())}
   flop = shape.flop
   ran = next((r for r in ours.values() if r != OOM), dict(device="(every run OOM)", jax="-"))
