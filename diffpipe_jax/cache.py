@@ -109,7 +109,7 @@ def awaiting_text(cache_dir, wanted):
 
 def encode_latents(cache_dir, todo, encoders, batch_size, bar):
   """The media pass: each batch of `todo` (bucket name -> [(fingerprint, item)]) encoded by the
-  VAE into a shard of latents, committed without its text (its sidecar says so)."""
+  VAE (`encode_fields`) into a shard of latents, committed without its text (its sidecar says so)."""
   for name, pending in todo.items():
     for start in range(0, len(pending), batch_size):
       chunk = pending[start:start + batch_size]
@@ -117,7 +117,7 @@ def encode_latents(cache_dir, todo, encoders, batch_size, bar):
       meta = dict(fingerprints=[fp for fp, _ in chunk], keys=[it["key"] for _, it in chunk],
                   bucket=list(chunk[0][1]["bucket"]),
                   grid=list(encoders.latent_grid(*pixels.shape[1:4])), **{TEXT_DONE: False})
-      write_shard(os.path.join(cache_dir, name), dict(latents=encoders.encode_media(pixels)), meta)
+      write_shard(os.path.join(cache_dir, name), encoders.encode_fields(pixels), meta)
       bar.update(len(chunk))
 
 
@@ -219,7 +219,7 @@ def update_cache(cache_dir, items, encoders, batch_size, regenerate) -> "Cache":
   if todo:
     with tqdm(total=sum(map(len, todo.values())), desc="caching latents", unit="item") as bar:
       encode_latents(cache_dir, todo, encoders, batch_size, bar)
-    encoders.release(("vae",))
+    encoders.release(encoders.media_components)
   order = {fp: i for i, fp in enumerate(wanted)}  # the captions' order, as given
   uncaptioned = sorted(awaiting_text(cache_dir, wanted), key=lambda s: order[s[2]["fingerprints"][0]])
   if uncaptioned:

@@ -105,9 +105,10 @@ class Family:
   position_ids: Optional[Callable]
   shift_timesteps: Callable  # (model_config, t, latents) -> the training timesteps
   training_inputs: Callable  # (model_config, cfg, batch, noisy latents, t) -> forward inputs
-  # (model_config, key, batch, noisy latents, t [B]) -> (noisy latents, t [B] or per token
-  # [B, L], loss mask [B, L] or None): a family that trains on partly clean latents (LTX-Video's
-  # first-frame conditioning); None: none
+  # (model_config, cfg, key, batch, noisy latents, t [B]) -> (noisy latents, t [B] or per
+  # token [B, L], loss mask or None: [B, L] for packed latents, else one that broadcasts to the
+  # error without its last axis): a family that trains on partly clean latents (LTX-Video's and
+  # Wan 2.2 TI2V's first-frame conditioning); None: none
   condition: Optional[Callable]
   sampling: Sampling
   torch_side: str  # the module of its `TorchSide`
@@ -117,11 +118,14 @@ class Family:
 class TorchSide:
   """A family's PyTorch side, for caching and for tests: `load_encoders(model_config, device=,
   dtype=)` -> `encoders.Encoders`; `write_tiny_pipeline(root, seed=0)` writes a complete tiny
-  pipeline folder; `build_tiny(seed=0, **config)` a random tiny transformer (float32, eval);
+  pipeline folder, and `write_tiny_pipeline(root, kind=kind)` one of the other `tiny_kinds` (the
+  first, "", is that default: Wan's "i2v" and "ti2v" are its other models' pipelines);
+  `build_tiny(seed=0, **config)` a random tiny transformer (float32, eval);
   `save_tiny(model, root)` -> {format name: path}, the model in every format the loader takes;
   `pipeline`: the diffusers pipeline class whose `load_lora_weights` takes our exported LoRAs."""
   load_encoders: Callable
   write_tiny_pipeline: Callable
+  tiny_kinds: tuple
   build_tiny: Callable
   save_tiny: Callable
   pipeline: str

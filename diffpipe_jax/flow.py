@@ -65,8 +65,9 @@ def pointwise_loss(huber_delta=0.0, smooth_l1_beta=0.0):
 
 
 def loss(pred, target, mask=None, pointwise=jnp.square):
-  """fp32 `pointwise` loss of the error, averaged over channels, then over the tokens: with a
-  [B, L] token mask, the masked mean normalised by the mask's mean."""
+  """fp32 `pointwise` loss of the error, averaged over its last axis (packed latents' channels),
+  then over the rest: with a mask of that shape ([B, L] tokens) or one that broadcasts to it,
+  the masked mean normalised by the mask's mean."""
   err = pointwise(pred.astype(jnp.float32) - target.astype(jnp.float32)).mean(-1)
   if mask is None:
     return err.mean()

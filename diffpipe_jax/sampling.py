@@ -161,7 +161,10 @@ def prompt_lines(entries: Sequence[str]) -> list:
 
 
 def checked_size(encoders, frames: int, height: int, width: int):
-  """(frames, height, width), or a one-line error naming the sizes the family's VAE takes."""
+  """(frames, height, width), or a one-line error naming the sizes the family's VAE takes (or
+  why the model draws no samples)."""
+  if encoders.cannot_sample:
+    raise UserError(encoders.cannot_sample)
   multiple, per_latent = encoders.pixel_multiple, encoders.frames_per_latent
   problems = [f"{what} {v} is not a multiple of {multiple}" for what, v in
               (("height", height), ("width", width)) if v < multiple or v % multiple]

@@ -19,14 +19,20 @@ VIDEOS = f"{ROOT}/videos"
 EVAL_IMAGES = f"{ROOT}/eval_images"
 
 
-def pipeline_dir(model_type: str) -> str:
-  return f"{ROOT}/{model_type.replace('-', '_')}_pipeline"
+def pipeline_dir(model_type: str, kind: str = "") -> str:
+  """Where the embedded default's tiny pipeline of `kind` (one of its `TorchSide.tiny_kinds`) is."""
+  return f"{ROOT}/{model_type.replace('-', '_')}{'_' + kind if kind else ''}_pipeline"
+
+
+def pipeline_kinds(family) -> dict:
+  """{folder: kind} of the family's tiny pipelines (`pipeline_dir`)."""
+  return {pipeline_dir(family.type, kind): kind for kind in family_lib.torch_side(family).tiny_kinds}
 
 
 def generates(config, path: str) -> bool:
   """Whether the trainer writes the tiny default to `path` (when it is missing)."""
-  return config.generate_tiny and path in (pipeline_dir(config.model.type), IMAGES, VIDEOS,
-                                           EVAL_IMAGES)
+  return config.generate_tiny and (path in (IMAGES, VIDEOS, EVAL_IMAGES) or path in pipeline_kinds(
+      family_lib.get(config.model.type)))
 
 def state_dict_numpy(model):
   return {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
@@ -194,8 +200,9 @@ def checkpoint_path(config, family) -> str:
   tiny default (the family's pipeline, the image and video sets) to their default paths only."""
   path = family.checkpoint_path(config.model)
   if generates(config, path) and not os.path.isfile(os.path.join(path, "model_index.json")):
-    print(f"writing the embedded tiny {family.type} pipeline to {path}")
-    family_lib.torch_side(family).write_tiny_pipeline(path)
+    kind = pipeline_kinds(family).get(path, "")
+    print(f"writing the embedded tiny {family.type}{' ' + kind if kind else ''} pipeline to {path}")
+    family_lib.torch_side(family).write_tiny_pipeline(path, **({"kind": kind} if kind else {}))
   eval_sets = dict(sizes=((40, 40),), num_images=4)
   for folder, options in [(config.dataset.path, {})] + [(e.get("path", ""), eval_sets)
                                                          for e in config.eval_datasets.values()]:

@@ -35,7 +35,7 @@ def model_inputs(batch, key, *, model, config, quantile=None):
   noise = jax.random.normal(k_noise, latents.shape, latents.dtype)
   noisy, mask = flow.noisy_latents(latents, noise, t), batch.get("mask")
   if model.family.condition is not None:
-    noisy, t, kept = model.family.condition(m, k_condition, batch, noisy, t)
+    noisy, t, kept = model.family.condition(m, model.config, k_condition, batch, noisy, t)
     mask = kept if mask is None or kept is None else mask * kept
   inputs = model.family.training_inputs(m, model.config, batch, noisy, t)
   return inputs, noise - latents, mask, k_dropout

@@ -109,14 +109,16 @@ class SlowEncoders:
   def __init__(self, log):
     self.log = log
 
+  media_components = ("vae",)
+
   def identity(self):
     return "slow"
 
-  def encode_media(self, pixels):
+  def encode_fields(self, pixels):
     time.sleep(0.5)
     with open(self.log, "a") as f:
       f.write("item\n" * len(pixels))
-    return pixels.mean(-1)
+    return dict(latents=pixels.mean(-1))
 
   def encode_text(self, captions, frames=1):
     return dict(text=np.array([[len(c), sum(map(ord, c))] for c in captions], np.float32))

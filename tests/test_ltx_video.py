@@ -267,7 +267,7 @@ def test_first_frame_conditioning(loaded):
   loss, an image's never; with p = 0.5 about half the videos; with p = 0 nothing changes."""
   cfg = loaded["padded"].config
   condition = lambda p: jax.jit(lambda *args: ltx.condition(
-      model_config(first_frame_conditioning_p=p), *args))
+      model_config(first_frame_conditioning_p=p), cfg, *args))
   video = ltx.random_batch(cfg, 64, 3, 2, 2, seed=1)
   image = ltx.random_batch(cfg, 64, 1, 2, 2, seed=2)
   first = video["position_ids"][..., 0] == 0
@@ -275,7 +275,7 @@ def test_first_frame_conditioning(loaded):
   key = jax.random.key(0)
   for batch, clean in ((video, first), (image, np.zeros_like(first[:, :4]))):
     noisy = batch["latents"] + 1.0
-    same, t0, mask = ltx.condition(model_config(), key, batch, noisy, t)
+    same, t0, mask = ltx.condition(model_config(), cfg, key, batch, noisy, t)
     assert same is noisy and t0 is t and mask is None
     out, tt, mask = condition(1.0)(key, batch, noisy, t)
     np.testing.assert_array_equal(out, np.where(clean[..., None], batch["latents"], noisy))

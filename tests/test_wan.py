@@ -213,3 +213,56 @@ def test_an_a14b_expert_is_one_transformer_on_its_side_of_the_boundary(a14b, tmp
   model = models.load("wan", wan.checkpoint_path(low), progress=False)
   inputs = wan.random_inputs(model.config, 1, 1, 2, 2, seed=3)
   assert_close(model(**inputs), torch_forward(wan_torch.build_tiny(seed=6), inputs))
+
+
+def test_ti2v_first_frame_conditioning():
+  """The 2.2 TI2V 5B (48 channels in and out): with p = 1 every video's first latent frame is its
+  clean latents, its tokens at t = 0 in WanPipeline's per-token order (the frame mask's patches,
+  flattened), and out of the loss; an image's never; p = 0.5 about half the videos; p = 0, a
+  T2V or an I2V model: nothing changes (an I2V model takes the frame in its channels)."""
+  import jax
+  from conftest import family_config
+  ti2v = wan.WanConfig(num_attention_heads=3, attention_head_dim=14, in_channels=48, out_channels=48)
+  settings = family_config("wan").model
+  video, image = wan.random_batch(ti2v, 64, 3, 2, 2, seed=1), wan.random_batch(ti2v, 64, 1, 2, 2, seed=2)
+  t, key = jnp.linspace(0.1, 0.9, 64), jax.random.key(0)
+  for p, cfg in ((0.0, ti2v), (1.0, wan.WanConfig()), (1.0, wan.WanConfig(in_channels=36))):
+    settings.first_frame_conditioning_p = p
+    noisy = video["latents"] + 1.0
+    same, t0, mask = wan.condition(settings, cfg, key, video, noisy, t)
+    assert same is noisy and t0 is t and mask is None
+  settings.first_frame_conditioning_p = 1.0
+  condition = jax.jit(lambda *args: wan.condition(settings, ti2v, *args))
+  noisy = video["latents"] + 1.0
+  out, tt, mask = condition(key, video, noisy, t)
+  first = (np.arange(3) == 0)[None, None, :, None, None]
+  np.testing.assert_array_equal(out, np.where(first, video["latents"], noisy))
+  frame_mask = np.ones((3, 4, 4)) * (np.arange(3) > 0)[:, None, None]  # WanPipeline's, latent-sized
+  np.testing.assert_allclose(tt, frame_mask[None, :, ::2, ::2].reshape(1, -1) * np.asarray(t)[:, None])
+  assert mask.shape == (64, 1, 3, 1) and (np.asarray(mask)[:, 0, :, 0] == [0, 1, 1]).all()
+  assert wan.condition(settings, ti2v, key, image, image["latents"], t)[2] is None
+  settings.first_frame_conditioning_p = 0.5
+  _, tt, mask = jax.jit(lambda *args: wan.condition(settings, ti2v, *args))(key, video, video["latents"], t)
+  chosen = np.asarray(mask[:, 0, 0, 0] == 0)
+  assert 16 < chosen.sum() < 48
+  np.testing.assert_array_equal(np.asarray(tt == 0).any(-1), chosen)
+
+
+@pytest.mark.parametrize("variant", ["tiny_i2v", "tiny_ti2v"])
+def test_i2v_and_ti2v_train_end_to_end(variant, tmp_path):
+  """configs/wan.py's I2V (first frame through the input channels and CLIP; no samples) and
+  TI2V (half the clips' first frames clean) variants cache, train, evaluate and export."""
+  import subprocess
+  import sys
+  from conftest import xla_flags
+  from test_train import ROOT, no_samples
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(1))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "main.py"), "--config",
+       os.path.join(ROOT, "configs", f"wan.py:{variant}"), f"--config.output_dir={tmp_path}/out",
+       "--config.epochs=1", *no_samples()],
+      env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  assert "done: 3 steps" in proc.stdout
+  [run] = os.listdir(tmp_path / "out")
+  assert os.path.isfile(tmp_path / "out" / run / "epoch1" / "pytorch_lora_weights.safetensors")

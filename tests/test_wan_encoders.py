@@ -14,11 +14,12 @@ from diffusers import WanPipeline, WanTransformer3DModel
 from diffusers.loaders import single_file_utils
 
 from tolerances import assert_close
-from diffpipe_jax import tiny
+from diffpipe_jax import sampling, tiny
 from diffpipe_jax.convert.tensorfile import open_tensor_file
 from diffpipe_jax.encoders import wan
 from diffpipe_jax.encoders.wan import WanEncoders
 from diffpipe_jax.errors import UserError
+from diffpipe_jax.models import wan as wan_model
 
 FAMILY, PIPELINE = "wan", WanPipeline  # (the fixtures of conftest.py)
 LONG = "a slow pan over a red and green pattern " * 14  # past 512 tokens of the character T5
@@ -62,7 +63,8 @@ def test_the_vae_factors_come_from_the_configs(encoders):
   assert encoders.latent_grid(1, 16, 32) == (1, 2, 4)
   # the 2.2 TI2V's VAE: 16x spatial, so 32-pixel multiples with the transformer's 2x2 patches
   vae_config = wan.build_tiny_vae(wan22=True).config
-  wan22 = WanEncoders("", "cpu", torch.float32, {}, 24, vae_config, (1, 2, 2))
+  wan22 = WanEncoders("", "cpu", torch.float32, {}, 24, vae_config,
+                      wan_model.WanConfig(in_channels=48, out_channels=48))
   assert (wan22.pixel_multiple, wan22.frames_per_latent) == (32, 4)
   assert wan22.latent_grid(9, 64, 96) == (3, 4, 6)
 
@@ -159,6 +161,67 @@ def test_the_i2v_and_wan22_overrides_build_working_models():
     z = vae.encode(torch.randn(1, 3, 5, 32, 64)).latent_dist.mode()
   assert z.shape == (1, wan.TINY_TI2V["in_channels"], 2, 2, 4)
   assert wan.original_model_type(wan.build_tiny(**wan.TINY_TI2V).config) == "ti2v"
+
+
+@pytest.fixture(scope="module")
+def i2v_pipeline(tmp_path_factory):
+  return wan.write_tiny_pipeline(str(tmp_path_factory.mktemp("wan_i2v")), kind="i2v")
+
+
+@pytest.mark.parametrize("frames", [9, 1])
+def test_i2v_fields_are_what_the_i2v_pipeline_gives_its_transformer(i2v_pipeline, frames):
+  """An I2V transformer's cache: the condition channels (our mask beside the first frame's
+  latents, black frames after it) equal WanImageToVideoPipeline's `prepare_latents` for that
+  frame, the CLIP states its `encode_image` of the frame as an 8-bit image; an image's
+  condition is its own latents. The fingerprint tells it from a T2V cache."""
+  from diffusers import WanImageToVideoPipeline
+  from PIL import Image
+  pipe = WanImageToVideoPipeline.from_pretrained(i2v_pipeline)
+  encoders = WanEncoders.load(i2v_pipeline)
+  cfg = wan_model.config_from_diffusers(dict(pipe.transformer.config))
+  assert encoders.first_frame == "channels"
+  with pytest.raises(UserError, match="^samples of an I2V model need a first frame"):
+    sampling.checked_size(encoders, 1, 32, 48)
+  eight_bit = np.round((clips(frames, batch=1) + 1) * 127.5)
+  pixels = (eight_bit / 127.5 - 1).astype(np.float32)
+  fields = encoders.encode_fields(pixels)
+  assert sorted(fields) == ["condition", "image", "latents"]
+  with torch.no_grad():
+    _, condition = pipe.prepare_latents(torch.from_numpy(pixels[:, 0].transpose(0, 3, 1, 2)), 1,
+                                        wan.TINY_Z, 32, 48, frames, torch.float32, "cpu")
+    image = pipe.encode_image(Image.fromarray(eight_bit[0, 0].astype(np.uint8)), "cpu")
+  ours = np.concatenate([np.asarray(wan_model.first_frame_mask(cfg, fields["latents"])),
+                         fields["condition"]], axis=1)
+  assert ours.shape == condition.shape
+  assert_close(ours, condition.numpy())
+  assert_close(fields["image"], image.numpy())
+  if frames == 1:
+    np.testing.assert_array_equal(fields["condition"], fields["latents"])
+  assert "first_frame" in encoders.identity() and "image_encoder=CLIPVisionModel" in encoders.identity()
+  encoders.release()
+
+
+def test_an_i2v_folder_without_its_image_encoder_names_it(i2v_pipeline, tmp_path):
+  for sub in os.listdir(i2v_pipeline):
+    if sub != "image_encoder":
+      os.symlink(f"{i2v_pipeline}/{sub}", tmp_path / sub)
+  with pytest.raises(UserError, match="lacks the encoder folder\\(s\\) \\['image_encoder'\\]: "
+                     "model.diffusers_path must be a diffusers Wan I2V pipeline folder"):
+    WanEncoders.load(str(tmp_path))
+
+
+def test_the_ti2v_pipeline_runs_in_wan_pipeline(tmp_path):
+  """The tiny 2.2 TI2V 5B: the 2.2 VAE's 48 channels, per-token timesteps (`expand_timesteps`);
+  its cache holds latents and text only, its first frame being its clip's first latent frame."""
+  root = wan.write_tiny_pipeline(str(tmp_path), kind="ti2v")
+  pipe = WanPipeline.from_pretrained(root)
+  assert pipe.config.expand_timesteps and pipe.vae.config.z_dim == 48
+  video = pipe("a red pattern", num_inference_steps=1, height=32, width=64, num_frames=5,
+               output_type="np").frames
+  assert video.shape == (1, 5, 32, 64, 3) and np.isfinite(video).all()
+  encoders = WanEncoders.load(root)
+  assert encoders.first_frame == "clean" and encoders.cannot_sample is None
+  assert list(encoders.encode_fields(clips(5, 32, 64, batch=1))) == ["latents"]
 
 
 def diffusers_names(tensors):

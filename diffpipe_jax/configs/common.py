@@ -12,12 +12,14 @@ from diffpipe_jax.errors import UserError
 VARIANTS = ("", "tiny")  # every family's: the released model's defaults, and `tiny`
 
 
-def check_variant(config_file: str, variant: str):
-  """Refuses `--config configs/<family>.py:<variant>` for a variant other than `VARIANTS`."""
-  if variant not in VARIANTS:
+def check_variant(config_file: str, variant: str, own=()):
+  """Refuses `--config configs/<family>.py:<variant>` for a variant other than `VARIANTS` and
+  the family's `own`."""
+  variants = VARIANTS + tuple(own)
+  if variant not in variants:
     name = f"configs/{os.path.basename(config_file)}"
     raise UserError(f"--config {name}:{variant}: no such variant; use "
-                    + " or ".join(f"{name}:{v}" if v else name for v in VARIANTS))
+                    + " or ".join(f"{name}:{v}" if v else name for v in variants))
 
 
 def base(model_type: str) -> ml_collections.ConfigDict:

@@ -66,8 +66,12 @@ class Encoders:
   media's frame count, is for a family that prompts its text encoder differently for images
   and videos; the others ignore it), `latent_grid` and `pixel_multiple` (bucket sides are
   multiples of it). `encode_text` tallies the captions a token limit cuts (`count_truncated`);
-  the cache says them once it is built."""
+  the cache says them once it is built. The media pass's components (`media_components`: the
+  VAE, and an image encoder where the family conditions on the clip's first frame) load
+  together (`load_media_encoders`), the text encoders together after them."""
   components = {}
+  media_components = ("vae",)  # attributes of the components the media pass uses
+  cannot_sample = None  # why the model cannot draw samples from prompts alone; None: it can
   frame_rate = None  # frames per second videos are decoded at; None: the family takes images only
   frames_per_latent = None  # a clip has 1 + k * this many frames (the VAE's temporal factor)
 
@@ -77,19 +81,29 @@ class Encoders:
 
   def __getattr__(self, name):  # only reached while a component is not loaded yet
     if name in {attr for attr, _ in self.components.values()}:
-      what = "VAE" if name == "vae" else "text encoders"
+      media = name in self.media_components
+      what = "VAE" if self.media_components == ("vae",) else "media encoders"
       loading = [sub for sub, (attr, _) in self.components.items()
-                 if (attr == "vae") == (name == "vae")]
+                 if (attr in self.media_components) == media]
       sources = ", ".join(dict.fromkeys(map(self.component_source, loading)))
       # above any open bar (the cache's, when it is the first use), not on its line
-      tqdm.write(f"loading the {what} from {sources} ({self.device})")
+      tqdm.write(f"loading the {what if media else 'text encoders'} from {sources} ({self.device})")
       with library_bars_off():
-        if name == "vae":  # alone: decoding samples needs nothing else
-          self.vae = self.load_vae().to(self.device).eval()
+        if media:  # alone: decoding samples needs nothing else
+          self.load_media_encoders()
         else:
           self.load_text_encoders()
       return self.__dict__[name]
     raise AttributeError(name)
+
+  def load_media_encoders(self):
+    """Loads the media pass's components (`media_components`): the VAE."""
+    self.vae = self.load_vae().to(self.device).eval()
+
+  def encode_fields(self, pixels) -> dict:
+    """The cache's media fields of a batch (np [B, F, H, W, 3] in [-1, 1]): its `latents`, and,
+    for a family that conditions on the clip's first frame, what it conditions on."""
+    return dict(latents=self.encode_media(pixels))
 
   def identity(self) -> str:
     """Class names and file hashes of every component, plus dtype and options: part of every
@@ -132,8 +146,8 @@ class Encoders:
     return notes
 
   def release(self, attrs=None):
-    """Frees models (and their GPU memory): those of `attrs` (e.g. ("vae",), before the text
-    encoders load), or all of them (before training starts)."""
+    """Frees models (and their GPU memory): those of `attrs` (e.g. `media_components`, before
+    the text encoders load), or all of them (before training starts)."""
     import torch
     for attr in attrs or [attr for attr, _ in self.components.values()]:
       self.__dict__.pop(attr, None)

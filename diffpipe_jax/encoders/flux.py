@@ -202,6 +202,7 @@ def save_tiny(model, root) -> dict:
 TORCH_SIDE = TorchSide(
     load_encoders=lambda model_config, **kw: FluxEncoders.load(model_config.diffusers_path, **kw),
     write_tiny_pipeline=write_tiny_pipeline,
+    tiny_kinds=("",),
     build_tiny=build_tiny,
     save_tiny=save_tiny,
     pipeline="FluxPipeline",

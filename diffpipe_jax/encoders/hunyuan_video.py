@@ -501,6 +501,7 @@ TORCH_SIDE = TorchSide(
         vae_path=model_config.vae_path, llm_path=model_config.llm_path,
         clip_path=model_config.clip_path, **kw),
     write_tiny_pipeline=write_tiny_pipeline,
+    tiny_kinds=("",),
     build_tiny=build_tiny,
     save_tiny=save_tiny,
     pipeline="HunyuanVideoPipeline",

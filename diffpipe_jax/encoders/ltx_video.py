@@ -346,6 +346,7 @@ TORCH_SIDE = TorchSide(
         model_config.diffusers_path, single_file_path=model_config.single_file_path,
         frame_rate=model_config.frame_rate, **kw),
     write_tiny_pipeline=write_tiny_pipeline,
+    tiny_kinds=("",),
     build_tiny=build_tiny,
     save_tiny=save_tiny,
     pipeline="LTXPipeline",

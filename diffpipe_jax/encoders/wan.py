@@ -24,20 +24,35 @@ PATCH = (1, 2, 2)  # every released transformer's patch, when the folder has no 
 class WanEncoders(Encoders):
   """Wan: AutoencoderKLWan latents (8x spatial and 4x temporal for 2.1 and the 2.2 A14B, 16x
   spatial for the 2.2 TI2V 5B's VAE; 1 + 4k frames), unpacked; UMT5 last hidden state, zeroed
-  after each prompt's tokens. Both run in `dtype`, as the other families' encoders."""
-  components = {"vae": ("vae", "AutoencoderKLWan"),
-                "tokenizer": ("tokenizer", "AutoTokenizer"),
-                "text_encoder": ("umt5", "UMT5EncoderModel")}
+  after each prompt's tokens. Both run in `dtype`, as the other families' encoders. For an I2V
+  transformer also the first frame's condition latents and, where it has an image embedder
+  (2.1 I2V), the first frame's CLIP states (`encode_fields`)."""
+  TEXT_COMPONENTS = {"tokenizer": ("tokenizer", "AutoTokenizer"),
+                     "text_encoder": ("umt5", "UMT5EncoderModel")}
+  IMAGE_COMPONENTS = {"image_encoder": ("clip", "CLIPVisionModel"),
+                      "image_processor": ("clip_processor", "CLIPImageProcessor")}
+  components = {"vae": ("vae", "AutoencoderKLWan"), **TEXT_COMPONENTS}
 
-  def __init__(self, path, device, dtype, options, frame_rate, vae_config, patch_size):
+  def __init__(self, path, device, dtype, options, frame_rate, vae_config, transformer):
     super().__init__(path, device, dtype, options)
-    self.frame_rate, self.vae_config, self.patch_size = frame_rate, vae_config, tuple(patch_size)
+    self.frame_rate, self.vae_config, self.transformer = frame_rate, vae_config, transformer
+    self.patch_size = tuple(transformer.patch_size)
+    self.first_frame = wan_model.first_frame_input(transformer)
+    if transformer.image_dim is not None:
+      self.components = {**self.components, **self.IMAGE_COMPONENTS}
+      self.media_components = ("vae", "clip", "clip_processor")
+    if self.first_frame == "channels":
+      self.cannot_sample = ("samples of an I2V model need a first frame, which the sampler does "
+                            "not take yet: unset sample_prompts")
 
   @classmethod
-  def load(cls, path, device=None, dtype=None, max_sequence_length=TEXT_TOKENS, frame_rate=16):
+  def load(cls, path, device=None, dtype=None, max_sequence_length=TEXT_TOKENS, frame_rate=16,
+           trained_config=None):
     """The encoders of a diffusers Wan folder (loaded when first needed); the text encoder in
     float32 on CPU, bfloat16 on CUDA unless told. `frame_rate`: the model's (16 for Wan 2.1, 24
-    for the 2.2 TI2V 5B)."""
+    for the 2.2 TI2V 5B); `trained_config()`: the config of the transformer trained (default:
+    the folder's), which says what the cache holds besides latents and text, read once the
+    folder is known to exist."""
     import torch
     from diffusers.utils import is_ftfy_available
     if not path:
@@ -46,24 +61,45 @@ class WanEncoders(Encoders):
     if not os.path.isdir(path):
       raise UserError(f"model.diffusers_path {path} does not exist: set it to a diffusers Wan "
                       "pipeline folder (with vae/, text_encoder/, tokenizer/)")
-    missing = [sub for sub in cls.components if not os.path.isdir(os.path.join(path, sub))]
-    if missing:
-      raise UserError(f"{path} lacks the encoder folder(s) {missing}: model.diffusers_path must "
-                      "be a diffusers Wan pipeline folder (with vae/, text_encoder/, tokenizer/)")
-    vae_config = read_vae_config(os.path.join(path, "vae"))
-    transformer = os.path.join(path, "transformer", "config.json")
-    if os.path.isfile(transformer):
-      with open(transformer) as f:
-        patch_size = json.load(f).get("patch_size", PATCH)
+    missing = lambda components: [sub for sub in components if not os.path.isdir(os.path.join(path, sub))]
+    if missing(cls.components):
+      raise UserError(f"{path} lacks the encoder folder(s) {missing(cls.components)}: "
+                      "model.diffusers_path must be a diffusers Wan pipeline folder (with vae/, "
+                      "text_encoder/, tokenizer/)")
+    if trained_config is not None:
+      transformer = trained_config()
     else:
-      patch_size = PATCH
+      config = os.path.join(path, "transformer", "config.json")
+      transformer = wan_model.WanConfig(patch_size=PATCH)
+      if os.path.isfile(config):
+        with open(config) as f:
+          transformer = wan_model.config_from_diffusers(json.load(f))
+    if transformer.image_dim and missing(cls.IMAGE_COMPONENTS):
+      raise UserError(f"{path} lacks the encoder folder(s) {missing(cls.IMAGE_COMPONENTS)}: "
+                      "model.diffusers_path must be a diffusers Wan I2V pipeline folder (with "
+                      "image_encoder/, image_processor/: the transformer attends to CLIP image states)")
+    vae_config = read_vae_config(os.path.join(path, "vae"))
     device = device or default_device()
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     # whether ftfy repairs the captions (WanPipeline's prompt_clean uses it where installed)
     # changes the embeddings of some, so it is part of the cache's fingerprint
     clean = "ftfy+html+whitespace" if is_ftfy_available() else "html+whitespace"
     options = dict(max_sequence_length=max_sequence_length, prompt_clean=clean)
-    return cls(path, device, dtype, options, frame_rate, vae_config, patch_size)
+    first_frame = wan_model.first_frame_input(transformer)
+    if first_frame == "channels":  # the cache holds the condition (and CLIP states): its fingerprint
+      options["first_frame"] = "latents+clip" if transformer.image_dim else "latents"
+    return cls(path, device, dtype, options, frame_rate, vae_config, transformer)
+
+  def load_media_encoders(self):
+    """The VAE, and an I2V model's CLIP vision encoder (float32, as WanImageToVideoPipeline's
+    users load it) with its image processor."""
+    super().load_media_encoders()
+    if "image_encoder" in self.components:
+      import torch
+      from transformers import CLIPImageProcessor, CLIPVisionModel
+      self.clip_processor = CLIPImageProcessor.from_pretrained(os.path.join(self.path, "image_processor"))
+      self.clip = CLIPVisionModel.from_pretrained(os.path.join(self.path, "image_encoder"),
+                                                  dtype=torch.float32).to(self.device).eval()
 
   def load_vae(self):
     from diffusers import AutoencoderKLWan
@@ -129,6 +165,31 @@ class WanEncoders(Encoders):
       z = vae.encode(x.to(vae.device, vae.dtype)).latent_dist.mean
     mean, inv_std = self.latent_stats(z)
     return ((z - mean) * inv_std).float().cpu().numpy()
+
+  def encode_fields(self, pixels) -> dict:
+    """The latents, and for an I2V transformer what WanImageToVideoPipeline makes of a first
+    frame: `condition`, the latents of the first frame followed by black frames (its
+    `video_condition`; an image's are its latents), and, where the transformer has an image
+    embedder, `image`, the first frame's CLIP states (`encode_image`)."""
+    fields = super().encode_fields(pixels)
+    if self.first_frame == "channels":
+      first = np.concatenate([pixels[:, :1], np.zeros_like(pixels[:, 1:])], axis=1)
+      fields["condition"] = fields["latents"] if pixels.shape[1] == 1 else self.encode_media(first)
+      if "image_encoder" in self.components:
+        fields["image"] = self.encode_image(pixels[:, 0])
+    return fields
+
+  def encode_image(self, frames):
+    """np [B, H, W, 3] in [-1, 1] -> CLIP's penultimate hidden states [B, I, image_dim], as
+    WanImageToVideoPipeline's `encode_image` makes them from the frames as 8-bit images."""
+    import torch
+    from PIL import Image
+    images = [Image.fromarray(np.round((f + 1) * 127.5).clip(0, 255).astype(np.uint8)) for f in frames]
+    pixel_values = self.clip_processor(images=images, return_tensors="pt").pixel_values
+    with torch.no_grad():
+      states = self.clip(pixel_values=pixel_values.to(self.device, self.clip.dtype),
+                         output_hidden_states=True).hidden_states[-2]
+    return states.float().cpu().numpy()
 
   def decode_media(self, latents, grid):
     """Latents [B, C, F', H', W'] -> np [B, F, H, W, 3] in [-1, 1], as WanPipeline
@@ -328,24 +389,52 @@ def save_tiny(model, root, model_type=None) -> dict:
               single_file_prefixed=save_comfyui(model, comfyui("comfy_fp32"), PREFIX))
 
 
-def write_tiny_pipeline(root, seed=0):
-  """Writes a complete tiny Wan 2.1 T2V pipeline folder (transformer, VAE, UMT5, tokenizer,
-  and the flow-matching Euler scheduler at the released shift) with the real classes, for
-  caching and end-to-end tests. Returns root."""
-  from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
-  transformer, vae = build_tiny(seed), build_tiny_vae(seed + 1)
-  assert transformer.config.in_channels == vae.config.z_dim
+TINY_KINDS = ("", "i2v", "ti2v")  # Wan 2.1 T2V, 2.1 I2V, 2.2 TI2V 5B
+# A CLIP vision encoder for the I2V pipeline: the tiny I2V transformer's image width, an odd
+# head count, 32-pixel images of 8-pixel patches (17 tokens)
+TINY_CLIP = dict(hidden_size=TINY_I2V["image_dim"], intermediate_size=40, num_hidden_layers=3,
+                 num_attention_heads=3, image_size=32, patch_size=8, projection_dim=16)
+
+
+def write_tiny_pipeline(root, seed=0, kind=""):
+  """Writes a complete tiny Wan pipeline folder with the real classes (transformer, VAE, UMT5,
+  tokenizer, the flow-matching Euler scheduler at the released shift), for caching and
+  end-to-end tests: `kind` "" a 2.1 T2V `WanPipeline`; "i2v" a 2.1 I2V
+  `WanImageToVideoPipeline` (with a CLIP vision encoder and its image processor); "ti2v" a
+  2.2 TI2V 5B `WanPipeline` (the 2.2 VAE, per-token timesteps). Returns root."""
+  from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
+  overrides = dict(zip(TINY_KINDS, ({}, TINY_I2V, TINY_TI2V)))[kind]
+  transformer, vae = build_tiny(seed, **overrides), build_tiny_vae(seed + 1, wan22=kind == "ti2v")
+  assert transformer.config.out_channels == vae.config.z_dim
   tokenizer = tiny.t5_tokenizer()
-  text_encoder = tiny.umt5_encoder(tokenizer, transformer.config.text_dim, seed + 2)
-  WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-              scheduler=FlowMatchEulerDiscreteScheduler(shift=FLOW_SHIFT)).save_pretrained(root)
+  parts = dict(tokenizer=tokenizer, vae=vae, transformer=transformer,
+               text_encoder=tiny.umt5_encoder(tokenizer, transformer.config.text_dim, seed + 2),
+               scheduler=FlowMatchEulerDiscreteScheduler(shift=FLOW_SHIFT))
+  if kind == "i2v":
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+    side = TINY_CLIP["image_size"]
+    pipeline = WanImageToVideoPipeline(
+        **parts, image_encoder=tiny.build(CLIPVisionModel, seed + 3, CLIPVisionConfig(**TINY_CLIP)),
+        image_processor=CLIPImageProcessor(size={"shortest_edge": side},
+                                           crop_size={"height": side, "width": side}))
+  else:
+    pipeline = WanPipeline(**parts, expand_timesteps=kind == "ti2v")
+  pipeline.save_pretrained(root)
   return root
+
+
+def trained_config(model_config):
+  """The config of the transformer a run trains (read from its files' config or headers)."""
+  from diffpipe_jax import models
+  return models.checkpoint_config("wan", wan_model.FAMILY.checkpoint_path(model_config))
 
 
 TORCH_SIDE = TorchSide(
     load_encoders=lambda model_config, **kw: WanEncoders.load(
-        model_config.diffusers_path, frame_rate=model_config.frame_rate, **kw),
+        model_config.diffusers_path, frame_rate=model_config.frame_rate,
+        trained_config=lambda: trained_config(model_config), **kw),
     write_tiny_pipeline=write_tiny_pipeline,
+    tiny_kinds=TINY_KINDS,
     build_tiny=build_tiny,
     save_tiny=save_tiny,
     pipeline="WanPipeline",

@@ -373,7 +373,7 @@ def training_inputs(model_config, cfg: LTXVideoConfig, batch: dict, noisy, t) ->
               video_coords=coords)
 
 
-def condition(model_config, key, batch, noisy, t):
+def condition(model_config, cfg: LTXVideoConfig, key, batch, noisy, t):
   """diffusion-pipe's `first_frame_conditioning_p`: with that probability, a video's first latent
   frame stays clean, at t = 0, and out of the loss, so that the model learns to continue a given
   first frame. Images (one latent frame) never are: nothing would be left to learn."""

@@ -24,6 +24,7 @@ import os
 from typing import Optional, Tuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,13 +35,14 @@ from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import Family, Sampling, SingleFile, config_dataclass
 from diffpipe_jax.models import layers
 from diffpipe_jax.models.layers import Linear
-from diffpipe_jax.rules import TEXT, Key, choice, number
+from diffpipe_jax.rules import PROBABILITY, TEXT, Key, choice, number
 
 TIMESTEP_SCALE = 1000.0  # the model takes sigma * 1000, as WanPipeline passes it
 ROPE_THETA = 10000.0
 IMAGE_NORM_EPS = 1e-5  # the image embedder's LayerNorms: diffusers' FP32LayerNorm default
 RELEASED_HEAD_DIM = 128  # every released Wan's; a single file's weights do not show it
 TEXT_TOKENS = 512  # WanPipeline pads the UMT5 states to this; diffusers' I2V attention assumes it
+WAN22_Z = 48  # the 2.2 VAE's latent channels: a transformer of 48 in and out is the TI2V 5B
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,16 @@ LORA_TARGETS = (r"blocks\..*",)
 
 def config_from_diffusers(cfg: dict) -> WanConfig:
   return config_dataclass(WanConfig, cfg, FIXED, " (Wan's first-last-frame model)")
+
+
+def first_frame_input(cfg: WanConfig) -> str:
+  """How the model is given a clip's first frame, from its config: "channels" (I2V: a mask and
+  the first frame's latents join the noisy latents' channels; CLIP image states too where it has
+  an image embedder), "clean" (the 2.2 TI2V 5B: its first latent frame clean, at t = 0), or ""
+  (T2V)."""
+  if cfg.in_channels != cfg.out_channels:
+    return "channels"
+  return "clean" if cfg.in_channels == WAN22_Z else ""
 
 
 def config_from_single_file(shapes: dict, metadata: dict, axes_dims_rope=None) -> WanConfig:
@@ -340,9 +352,13 @@ def random_inputs(cfg: WanConfig, batch=1, frames=2, height=2, width=3, txt_len=
 
 
 def random_batch(cfg: WanConfig, batch=1, frames=2, height=2, width=3, txt_len=6, seed=0) -> dict:
-  """`random_inputs` as a batch of cached samples (what `training_inputs` takes)."""
+  """`random_inputs` as a batch of cached samples (what `training_inputs` takes): an I2V model's
+  with the first frame's latents (`condition`) and CLIP states (`image`)."""
   inputs = random_inputs(cfg, batch, frames, height, width, txt_len, seed)
-  out = dict(latents=inputs["hidden_states"], text=inputs["encoder_hidden_states"])
+  x = inputs["hidden_states"]  # an I2V model's: the latents, then the condition's channels
+  out = dict(latents=x[:, :cfg.out_channels], text=inputs["encoder_hidden_states"])
+  if first_frame_input(cfg) == "channels":
+    out["condition"] = x[:, -cfg.out_channels:]
   if cfg.image_dim is not None:
     out["image"] = inputs["encoder_hidden_states_image"]
   return out
@@ -419,11 +435,48 @@ def shift_timesteps(model_config, t, latents):
   return t if side is None else side[0] + (side[1] - side[0]) * t
 
 
+def first_frame_mask(cfg: WanConfig, latents):
+  """WanImageToVideoPipeline's mask channels for latents [B, C, F, H, W]: the VAE's temporal
+  factor of them (the input channels beyond the noisy and the condition latents), 1 on the
+  first latent frame (the given one), 0 after it."""
+  channels = cfg.in_channels - 2 * cfg.out_channels
+  b, _, f, h, w = latents.shape
+  first = (jnp.arange(f) == 0).astype(latents.dtype)[None, None, :, None, None]
+  return jnp.broadcast_to(first, (b, channels, f, h, w))
+
+
 def training_inputs(model_config, cfg: WanConfig, batch: dict, noisy, t) -> dict:
   """Model inputs for a batch of cached samples: latents [B, C, F, H, W] (here already noised),
-  UMT5 states `text` [B, 512, D] (zero after each prompt); t [B] in [0, 1]."""
-  return dict(hidden_states=noisy, timestep=t * TIMESTEP_SCALE, encoder_hidden_states=batch["text"],
-              encoder_hidden_states_image=batch.get("image"))
+  UMT5 states `text` [B, 512, D] (zero after each prompt); t [B] or per token [B, L], in [0, 1].
+  An I2V model's input channels join the mask and the first frame's latents (`condition`), and
+  it attends to the first frame's CLIP states (`image`) where it has an image embedder."""
+  hidden_states = noisy
+  if first_frame_input(cfg) == "channels":
+    hidden_states = jnp.concatenate([noisy, first_frame_mask(cfg, noisy),
+                                     batch["condition"].astype(noisy.dtype)], axis=1)
+  return dict(hidden_states=hidden_states, timestep=t * TIMESTEP_SCALE,
+              encoder_hidden_states=batch["text"], encoder_hidden_states_image=batch.get("image"))
+
+
+def condition(model_config, cfg: WanConfig, key, batch, noisy, t):
+  """The 2.2 TI2V 5B's image-to-video use (`first_frame_conditioning_p`): with that probability a
+  video's first latent frame stays clean, at t = 0 for its tokens, and out of the loss, as
+  WanImageToVideoPipeline gives it the image's latents (the VAE is causal: a clip's first latent
+  frame is its first frame's). Images (one latent frame) never are. Other Wans take no clean
+  frame: an I2V model is given the first frame through its input channels, every sample."""
+  p = model_config.first_frame_conditioning_p
+  frames = noisy.shape[2]
+  if first_frame_input(cfg) != "clean" or p == 0 or frames == 1:
+    return noisy, t, None
+  chosen = jax.random.uniform(key, t.shape) < p  # [B]
+  clean = chosen[:, None] & (jnp.arange(frames) < cfg.patch_size[0])[None]  # [B, F]
+  noisy = jnp.where(clean[:, None, :, None, None], batch["latents"].astype(noisy.dtype), noisy)
+  grid = [n // s for n, s in zip(noisy.shape[2:], cfg.patch_size)]
+  clean_tokens = jnp.broadcast_to(chosen[:, None, None, None] & (jnp.arange(grid[0]) == 0)[None, :, None, None],
+                                  (t.shape[0], *grid)).reshape(t.shape[0], -1)
+  # the loss's error is averaged over the last axis (columns): a mask over the rest broadcasts
+  kept = (~clean).astype(jnp.float32)[:, None, :, None]
+  return noisy, jnp.where(clean_tokens, 0.0, t[:, None]), kept
 
 
 # WanPipeline's: classifier-free guidance 5 against the negative (here the empty) prompt; the
@@ -460,7 +513,11 @@ FAMILY = Family(
             "side of the folder's boundary_ratio (high_noise: t >= it; low_noise: below)"),
         frame_rate=Key(
             16, number(0, above=True),
-            "videos are decoded at this many frames per second (Wan 2.1: 16; 2.2 TI2V 5B: 24)")),
+            "videos are decoded at this many frames per second (Wan 2.1: 16; 2.2 TI2V 5B: 24)"),
+        first_frame_conditioning_p=Key(
+            0.0, PROBABILITY, "Wan 2.2 TI2V 5B: with this probability a video's first latent "
+            "frame stays clean, at t = 0, and out of the loss (image to video); an I2V model "
+            "takes the first frame through its input channels every sample")),
     make_module=Wan,
     stacks=block_stacks,
     stacked=STACKED,
@@ -476,7 +533,7 @@ FAMILY = Family(
     position_ids=None,
     shift_timesteps=shift_timesteps,
     training_inputs=training_inputs,
-    condition=None,
+    condition=condition,
     sampling=SAMPLING,
     torch_side="diffpipe_jax.encoders.wan",
 )
