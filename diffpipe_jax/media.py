@@ -240,7 +240,8 @@ def _rgb(img: Image.Image) -> np.ndarray:
   return np.asarray(img.convert("RGB"))
 
 
-def _read_image(path: str) -> np.ndarray:
+def read_image(path: str) -> np.ndarray:
+  """An image file as one frame: uint8 [1, H, W, 3], upright (EXIF orientation applied)."""
   with Image.open(path) as img:
     return _rgb(ImageOps.exif_transpose(img))[None]
 
@@ -294,7 +295,7 @@ def read_frames(item: Item, fps: Optional[float] = None, max_frames: Optional[in
   keeps every frame), then `max_frames` of them from frame `start` on (see `clip_starts`)."""
   try:
     if item.kind == "image":
-      return _read_image(item.path)
+      return read_image(item.path)
     return _read_video(item, fps, max_frames, start)
   except (OSError, av.FFmpegError) as e:
     raise MediaError(f"cannot decode {item.path}: {e}") from e

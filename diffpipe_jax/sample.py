@@ -54,10 +54,11 @@ def lora_argument(value: str):
 
 
 def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, guidance=-1.0,
-        frames=0, height=0, width=0, seed=None) -> list:
+        frames=0, height=0, width=0, seed=None, images: Sequence[str] = ()) -> list:
   """The sampling command: the config's base model with `loras` (path[:scale] each), every
-  prompt at the config's sample settings unless given. Writes `output_paths(out, ...)`, each
-  beside a .txt of its prompt. Returns the paths written."""
+  prompt at the config's sample settings unless given (an image-to-video model's from the
+  first frame of each, `images`). Writes `output_paths(out, ...)`, each beside a .txt of its
+  prompt. Returns the paths written."""
   family = family_lib.get(config.model.type)
   validate.check(config, family)
   memory = device_memory.Sharing(config.max_device_memory_gib)  # before JAX's backend starts
@@ -73,7 +74,7 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   frames, height, width = frames or f, height or h, width or w
   paths = output_paths(out, len(texts), frames)
   # the prompts first, their text encoders freed before JAX takes its pool (`device_memory`)
-  prompts = sampling.encode_prompts(family, encoders, texts, frames, height, width)
+  prompts = sampling.encode_prompts(family, encoders, texts, frames, height, width, images=images)
   encoders.release()
   memory.training()
   # one device, the blocks unrolled (programs per block: faster than the scan), the config's
@@ -109,7 +110,7 @@ def main(argv):
     raise app.UsageError("pass --config configs/<family>.py[:variant]")
   try:
     run(f.config, f.lora or [], f.prompt or [], f.out, f.steps, f.guidance, f.frames, f.height,
-        f.width, f.seed)
+        f.width, f.seed, f.image or [])
   except UserError as e:
     raise SystemExit(f"error: {e}")
 
@@ -121,6 +122,8 @@ def define_flags():
                                   lock_config=True)
   flags.DEFINE_multi_string("lora", None, "a LoRA (folder or .safetensors), optionally :scale; repeat for several")
   flags.DEFINE_multi_string("prompt", None, "a prompt, or a .txt file of a prompt a line; repeat for several")
+  flags.DEFINE_multi_string("image", None, "an image-to-video model's first frame, an image file a "
+                            "prompt, in their order; repeat for several")
   flags.DEFINE_string("out", "samples", "a folder, or a file: .png, .jpg, .webp (images), .mp4, .webm "
                       "(videos); numbered _NN for several prompts")
   flags.DEFINE_integer("steps", 0, "sampling steps (0: the config's sample_steps, else the pipeline's)")

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from diffpipe_jax import lora, media, programs, sequence
+from diffpipe_jax import buckets, lora, media, programs, sequence
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.files import atomic_write, read_toml
 
@@ -161,10 +161,7 @@ def prompt_lines(entries: Sequence[str]) -> list:
 
 
 def checked_size(encoders, frames: int, height: int, width: int):
-  """(frames, height, width), or a one-line error naming the sizes the family's VAE takes (or
-  why the model draws no samples)."""
-  if encoders.cannot_sample:
-    raise UserError(encoders.cannot_sample)
+  """(frames, height, width), or a one-line error naming the sizes the family's VAE takes."""
   multiple, per_latent = encoders.pixel_multiple, encoders.frames_per_latent
   problems = [f"{what} {v} is not a multiple of {multiple}" for what, v in
               (("height", height), ("width", width)) if v < multiple or v % multiple]
@@ -175,6 +172,29 @@ def checked_size(encoders, frames: int, height: int, width: int):
   if problems:
     raise UserError(f"sample size: {'; '.join(problems)}")
   return frames, height, width
+
+
+def check_first_frames(encoders, prompts: int, images: Sequence[str], key="sample_images"):
+  """A one-line error unless an image-to-video model has a first frame (`key`, an existing image
+  file) for each of the `prompts`, or another model none."""
+  if not encoders.takes_first_frame:
+    if images:
+      raise UserError(f"{key}: this model takes no first frame (it is no image-to-video model); "
+                      "leave it empty")
+    return
+  if len(images) != prompts:
+    raise UserError(f"{key}: an image-to-video model's samples start from a first frame: give "
+                    f"one image per prompt ({prompts}), not {len(images)}")
+  missing = [path for path in images if not os.path.isfile(path)]
+  if missing:
+    raise UserError(f"{key}: {media.listed(missing)} do(es) not exist")
+
+
+def first_frames(paths: Sequence[str], height: int, width: int) -> np.ndarray:
+  """Image files as first frames np [N, height, width, 3] in [-1, 1], resized and centre-cropped
+  as a bucket's media are."""
+  frames = [buckets.resize_and_crop(media.read_image(path), width, height)[0] for path in paths]
+  return np.stack(frames).astype(np.float32) / 127.5 - 1
 
 
 def noise_for(model, grid, seeds: Sequence[int]) -> np.ndarray:
@@ -205,14 +225,19 @@ class Prompts:
   grid: tuple
 
 
-def encode_prompts(family, encoders, texts, frames, height, width, cache_dir=None) -> Prompts:
-  """`texts` encoded by the family's text encoders (loaded only if the cache lacks them), and
-  with `cache_dir` kept there (keyed by the encoders' identity, the prompts and the frames), so a
-  resumed run or another process reads them instead."""
+def encode_prompts(family, encoders, texts, frames, height, width, cache_dir=None,
+                   images=()) -> Prompts:
+  """`texts` encoded by the family's text encoders (loaded only if the cache lacks them), with
+  an image-to-video model's first frames (`images`, an image file per prompt) by its media
+  encoders, and with `cache_dir` kept there (keyed by the encoders' identity, the prompts, the
+  images' contents and the size), so a resumed run or another process reads them instead."""
   frames, height, width = checked_size(encoders, frames, height, width)
+  check_first_frames(encoders, len(texts), images)
   grid = tuple(encoders.latent_grid(frames, height, width))
   cfg_mode = family.sampling.guidance_mode == "cfg"
-  key = hashlib.sha256(json.dumps([encoders.identity(), texts, frames, cfg_mode]).encode()).hexdigest()[:16]
+  contents = [media.content_hash(path) for path in images]
+  key = hashlib.sha256(json.dumps([encoders.identity(), texts, frames, cfg_mode] + (
+      [contents, height, width] if images else [])).encode()).hexdigest()[:16]
   path = cache_dir and os.path.join(cache_dir, f"{key}.npz")
   if path and os.path.isfile(path):
     with np.load(path) as f:
@@ -221,6 +246,10 @@ def encode_prompts(family, encoders, texts, frames, height, width, cache_dir=Non
     fields = {f"cond.{k}": v for k, v in encoders.encode_text(texts, frames).items()}
     if cfg_mode:
       fields |= {f"uncond.{k}": v for k, v in encoders.encode_text([""], frames).items()}
+    if images:  # the unconditional rows start from the same frame (`denoise`)
+      fields |= {f"cond.{k}": v for k, v in encoders.first_frame_fields(
+          first_frames(images, height, width), frames).items()}
+      encoders.release(encoders.media_components)  # beside the text encoders, until decoding
     if path:
       os.makedirs(cache_dir, exist_ok=True)
       atomic_write(path, lambda f: np.savez(f, **fields))

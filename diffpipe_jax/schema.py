@@ -217,6 +217,11 @@ SHARED = {
         "samples (diffpipe_jax.sampling), off until prompts and an interval are set: each prompt "
         "drawn with the LoRA being trained, to <run>/samples/step<N>/ and TensorBoard; an entry "
         "naming a .txt file stands for its lines"),
+    "sample_images": Key(
+        (), Rule("a list of image files", lambda v: isinstance(v, (tuple, list)) and all(
+            isinstance(p, str) for p in v)),
+        "an image-to-video model's samples (Wan I2V): each prompt's first frame, an image a "
+        "prompt in their order, resized and centre-cropped to the sample size"),
     "sample_every_n_epochs": Key(0, integer(0), "samples every this many epochs (0: off)"),
     "sample_every_n_steps": Key(0, integer(0), "samples every this many steps (0: off)"),
     "sample_steps": Key(

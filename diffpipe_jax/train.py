@@ -67,7 +67,8 @@ def encode_sample_prompts(config, family, encoders, size):
   output_dir/.sample_prompts/, beside the runs, for the next run, a resume and the other
   processes)."""
   return sampling.encode_prompts(family, encoders, sampling.prompt_lines(config.sample_prompts), *size,
-                                 cache_dir=os.path.join(config.output_dir, ".sample_prompts"))
+                                 cache_dir=os.path.join(config.output_dir, ".sample_prompts"),
+                                 images=config.sample_images)
 
 
 def split_cost(split, balanced) -> str:
@@ -209,6 +210,9 @@ def prepare(config, on_exit: contextlib.ExitStack, resume=None, cache_only=False
   # the samples' size checked before the hours of caching, not after
   size = (sampling.checked_size(encoders, *sampling.size(config, encoders.pixel_multiple))
           if sampling_on(config) else None)
+  if size:
+    sampling.check_first_frames(encoders, len(sampling.prompt_lines(config.sample_prompts)),
+                                config.sample_images)
   cached = prompts = None
   if is_main_process:
     cached = cache_datasets(config, family, encoders, regenerate_cache)

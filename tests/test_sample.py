@@ -265,12 +265,12 @@ def test_the_default_sample_size_is_the_first_resolution_rounded_down_to_the_vae
 
 def test_a_sample_size_the_vae_cannot_take_is_one_line():
   import types
-  video = types.SimpleNamespace(pixel_multiple=16, frames_per_latent=4, cannot_sample=None)
+  video = types.SimpleNamespace(pixel_multiple=16, frames_per_latent=4)
   assert sampling.checked_size(video, 33, 32, 48) == (33, 32, 48)
   with pytest.raises(ValueError, match=r"^sample size: width 40 is not a multiple of 16; frames 6 is not 1 \+ 4k$"):
     sampling.checked_size(video, 6, 32, 40)
   with pytest.raises(ValueError, match="this family draws images: frames must be 1, not 5"):
-    sampling.checked_size(types.SimpleNamespace(pixel_multiple=16, frames_per_latent=None, cannot_sample=None), 5, 32, 32)
+    sampling.checked_size(types.SimpleNamespace(pixel_multiple=16, frames_per_latent=None), 5, 32, 32)
 
 
 def test_decoding_short_of_gpu_memory_tiles_then_moves_to_the_cpu(pipeline_folder, monkeypatch):

@@ -179,9 +179,7 @@ def test_i2v_fields_are_what_the_i2v_pipeline_gives_its_transformer(i2v_pipeline
   pipe = WanImageToVideoPipeline.from_pretrained(i2v_pipeline)
   encoders = WanEncoders.load(i2v_pipeline)
   cfg = wan_model.config_from_diffusers(dict(pipe.transformer.config))
-  assert encoders.first_frame == "channels"
-  with pytest.raises(UserError, match="^samples of an I2V model need a first frame"):
-    sampling.checked_size(encoders, 1, 32, 48)
+  assert encoders.first_frame == "channels" and encoders.takes_first_frame
   eight_bit = np.round((clips(frames, batch=1) + 1) * 127.5)
   pixels = (eight_bit / 127.5 - 1).astype(np.float32)
   fields = encoders.encode_fields(pixels)
@@ -220,7 +218,7 @@ def test_the_ti2v_pipeline_runs_in_wan_pipeline(tmp_path):
                output_type="np").frames
   assert video.shape == (1, 5, 32, 64, 3) and np.isfinite(video).all()
   encoders = WanEncoders.load(root)
-  assert encoders.first_frame == "clean" and encoders.cannot_sample is None
+  assert encoders.first_frame == "clean" and not encoders.takes_first_frame
   assert list(encoders.encode_fields(clips(5, 32, 64, batch=1))) == ["latents"]
 
 
@@ -299,3 +297,44 @@ def test_every_format_reads_back_to_the_diffusers_model(variant, tmp_path):
              for k, v in original.items()}
   assert_same_tensors(diffusers_names(fp8), diffusers_names(rounded))
   assert_close(diffusers_names(fp8), want, bound=0.05)  # e4m3's 3 mantissa bits: 2^-4 at most
+
+
+def test_i2v_samples_are_the_i2v_pipelines(i2v_pipeline, tmp_path):
+  """Samples of an I2V model from first frames (`sample_images`) equal WanImageToVideoPipeline's
+  latents from the same images, noise and prompts, with classifier-free guidance (its negative
+  rows take the same frame); a T2V model refuses first frames, an I2V model wants one a prompt."""
+  import jax
+  from PIL import Image
+  from diffusers import WanImageToVideoPipeline
+  from conftest import family_config
+  from diffpipe_jax import family as family_lib, models
+  frames, height, width, steps, guidance = 5, 32, 48, 3, 4.5
+  paths = []
+  for i in range(2):
+    paths.append(str(tmp_path / f"{i}.png"))
+    Image.fromarray(tiny.pattern(i, width, height)).save(paths[-1])
+  model_config = family_config("wan").model
+  model_config.diffusers_path = i2v_pipeline
+  fam = family_lib.get("wan")
+  model = models.load("wan", fam.checkpoint_path(model_config), progress=False)
+  encoders = WanEncoders.load(i2v_pipeline)
+  prompts = sampling.encode_prompts(fam, encoders, ["a red pattern", "blue"], frames, height, width,
+                                    images=paths)
+  noise = np.random.default_rng(0).standard_normal((2, wan.TINY_Z, *prompts.grid)).astype(np.float32)
+  ours = sampling.denoise(model, model.params, None, model_config, prompts.conditioning, noise,
+                          prompts.grid, steps, guidance, uncond=prompts.uncond)
+  pipe = WanImageToVideoPipeline.from_pretrained(i2v_pipeline)
+  for i, path in enumerate(paths):  # the pipeline takes one image a call
+    with torch.no_grad():
+      want = pipe(image=Image.open(path), prompt_embeds=torch.from_numpy(prompts.conditioning["text"][i:i + 1]),
+                  negative_prompt_embeds=torch.from_numpy(prompts.uncond["text"]),
+                  latents=torch.from_numpy(noise[i:i + 1]), height=height, width=width,
+                  num_frames=frames, num_inference_steps=steps, guidance_scale=guidance,
+                  output_type="latent", return_dict=False)[0]
+    assert_close(np.asarray(jax.device_get(ours))[i:i + 1], want.numpy())
+  with pytest.raises(UserError, match="give one image per prompt \\(2\\), not 1"):
+    sampling.encode_prompts(fam, encoders, ["a", "b"], frames, height, width, images=paths[:1])
+  with pytest.raises(UserError, match="^sample_images: an image-to-video model's samples start"):
+    sampling.check_first_frames(encoders, 1, ())
+  with pytest.raises(UserError, match="this model takes no first frame"):
+    sampling.check_first_frames(WanEncoders.load(wan.write_tiny_pipeline(str(tmp_path / "t2v"))), 1, paths[:1])

@@ -6,7 +6,8 @@
 
 Variants (the part after ':'): "" (bf16, rank 32), "tiny" (a random tiny Wan 2.1 T2V pipeline
 generated on first use with a small synthetic set of captioned clips and images), "tiny_i2v"
-(the same as a 2.1 I2V pipeline: each clip's first frame through the input channels and CLIP)
+(the same as a 2.1 I2V pipeline: each clip's first frame through the input channels and CLIP;
+samples from first frames, `sample_images`)
 and "tiny_ti2v" (a 2.2 TI2V 5B pipeline, half its clips given their first frame clean). Key names
 follow diffusion-pipe; each is declared, with its default and what it does, in
 diffpipe_jax/schema.py (the shared ones) or in models/wan.py's `model_keys`.
@@ -27,8 +28,8 @@ def get_config(arg=""):
     common.tiny_video(c, frame_buckets=(1, 5, 17))
   if arg in TINY_KINDS:
     c.model.diffusers_path = tiny.pipeline_dir("wan", TINY_KINDS[arg])
-  if arg == "tiny_i2v":
-    c.sample_prompts = ()  # the sampler takes no first frame yet
+  if arg == "tiny_i2v":  # the samples start from two of the tiny eval set's images
+    c.sample_images = tuple(f"{tiny.EVAL_IMAGES}/{i:03d}.png" for i in range(len(c.sample_prompts)))
   if arg == "tiny_ti2v":
     c.model.first_frame_conditioning_p = 0.5
   return c

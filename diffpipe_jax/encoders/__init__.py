@@ -71,7 +71,8 @@ class Encoders:
   together (`load_media_encoders`), the text encoders together after them."""
   components = {}
   media_components = ("vae",)  # attributes of the components the media pass uses
-  cannot_sample = None  # why the model cannot draw samples from prompts alone; None: it can
+  # whether the model's samples start from a given first frame (`first_frame_fields`)
+  takes_first_frame = False
   frame_rate = None  # frames per second videos are decoded at; None: the family takes images only
   frames_per_latent = None  # a clip has 1 + k * this many frames (the VAE's temporal factor)
 
@@ -153,6 +154,11 @@ class Encoders:
       self.__dict__.pop(attr, None)
     if torch.cuda.is_available():
       torch.cuda.empty_cache()
+
+  def first_frame_fields(self, images, frames) -> dict:
+    """The conditioning fields of samples of `frames` frames that start from `images` (np [N,
+    H, W, 3] in [-1, 1]): a model that `takes_first_frame`."""
+    raise NotImplementedError(f"{type(self).__name__} takes no first frame")
 
   def decode(self, latents, grid):
     """`decode_media` in the GPU memory PyTorch has beside JAX's pool (`device_memory`): where

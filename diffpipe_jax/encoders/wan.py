@@ -41,9 +41,7 @@ class WanEncoders(Encoders):
     if transformer.image_dim is not None:
       self.components = {**self.components, **self.IMAGE_COMPONENTS}
       self.media_components = ("vae", "clip", "clip_processor")
-    if self.first_frame == "channels":
-      self.cannot_sample = ("samples of an I2V model need a first frame, which the sampler does "
-                            "not take yet: unset sample_prompts")
+    self.takes_first_frame = self.first_frame == "channels"
 
   @classmethod
   def load(cls, path, device=None, dtype=None, max_sequence_length=TEXT_TOKENS, frame_rate=16,
@@ -167,16 +165,23 @@ class WanEncoders(Encoders):
     return ((z - mean) * inv_std).float().cpu().numpy()
 
   def encode_fields(self, pixels) -> dict:
-    """The latents, and for an I2V transformer what WanImageToVideoPipeline makes of a first
-    frame: `condition`, the latents of the first frame followed by black frames (its
-    `video_condition`; an image's are its latents), and, where the transformer has an image
-    embedder, `image`, the first frame's CLIP states (`encode_image`)."""
+    """The latents, and for an I2V transformer what WanImageToVideoPipeline makes of the clip's
+    first frame (`first_frame_fields`)."""
     fields = super().encode_fields(pixels)
-    if self.first_frame == "channels":
-      first = np.concatenate([pixels[:, :1], np.zeros_like(pixels[:, 1:])], axis=1)
-      fields["condition"] = fields["latents"] if pixels.shape[1] == 1 else self.encode_media(first)
-      if "image_encoder" in self.components:
-        fields["image"] = self.encode_image(pixels[:, 0])
+    if self.takes_first_frame:
+      fields.update(self.first_frame_fields(pixels[:, 0], pixels.shape[1]))
+    return fields
+
+  def first_frame_fields(self, images, frames) -> dict:
+    """What an I2V transformer is given of first frames `images` (np [N, H, W, 3] in [-1, 1]) for
+    clips of `frames` frames, as WanImageToVideoPipeline makes it: `condition`, the latents of
+    the frame followed by black frames (its `video_condition`; an image's are its latents), and,
+    where the transformer has an image embedder, `image`, the frame's CLIP states."""
+    video = np.zeros((len(images), frames, *images.shape[1:]), np.float32)
+    video[:, 0] = images
+    fields = dict(condition=self.encode_media(video))
+    if "image_encoder" in self.components:
+      fields["image"] = self.encode_image(images)
     return fields
 
   def encode_image(self, frames):
