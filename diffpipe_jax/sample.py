@@ -70,6 +70,7 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
       raise UserError(f"--lora {lora_path} does not exist")
   path = tiny.checkpoint_path(config, family)
   encoders = family_lib.torch_side(family).load_encoders(config.model)  # (its models load when used)
+  sampling.check_first_frames(encoders, len(texts), images, key="--image")
   f, h, w = sampling.size(config, encoders.pixel_multiple)
   frames, height, width = frames or f, height or h, width or w
   paths = output_paths(out, len(texts), frames)
