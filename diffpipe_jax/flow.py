@@ -18,6 +18,12 @@ def shift_timesteps(t, shift=1.0):
   return shift * t / (1 + (shift - 1) * t)
 
 
+def shift_by_config(model_config, t, latents=None):
+  """`model.shift` at every resolution: the `Family.shift_timesteps` of a family whose shift
+  does not follow the latents."""
+  return shift_timesteps(t, model_config.shift)
+
+
 def exponential_shift(t, mu):
   """t' = e^mu / (e^mu + 1/t - 1): the shift of diffusers' pipelines with dynamic shifting."""
   e_mu = jnp.exp(mu)

@@ -28,6 +28,13 @@ from jax.ad_checkpoint import checkpoint_name
 from diffpipe_jax import programs, sequence
 
 LAYER_WEIGHTS = "layer_weights"  # the checkpoint name of one layer's slice of the stacked weights
+
+
+def equal_cost(names: Sequence[str], lengths: Sequence[str]) -> Callable:
+  """A family's `stacks`: cfg -> ((stack name, layers, relative cost of a layer), ...) in
+  execution order, stack i of `names[i]` with the config field `lengths[i]` layers, every layer
+  of the same cost (a family's docstring says why its blocks cost the same)."""
+  return lambda cfg: tuple((name, getattr(cfg, length), 1.0) for name, length in zip(names, lengths))
 BLOCK_INPUT = "block_input"  # the checkpoint name of each block's input (what per-block remat keeps)
 
 SWAP_NEEDS_ONE_STAGE = "blocks_to_swap needs pipeline_stages=1 (a pipeline already divides the weights)"

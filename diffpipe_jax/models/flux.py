@@ -129,11 +129,10 @@ SINGLE_NAMES = layers.SingleStreamNames(
     ("attn.norm_q", "attn.norm_k"), "proj_out")
 
 
-def block_stacks(cfg: FluxConfig):
-  """(stack name, layers, relative cost of a layer) in execution order. A double block has
-  2.4x the weights of a single one but the same matmul FLOPs per token (12 D^2: qkv 3, out 1,
-  MLP 8 against qkv 3, MLP 4, fused out 5) and the same attention, so both cost 1."""
-  return ((STACKED[0], cfg.num_layers, 1.0), (STACKED[1], cfg.num_single_layers, 1.0))
+# The double blocks, then the single ones. A double block has 2.4x the weights of a single one
+# but the same matmul FLOPs per token (12 D^2: qkv 3, out 1, MLP 8 against qkv 3, MLP 4, fused
+# out 5) and the same attention, so both cost the same.
+block_stacks = stacks.equal_cost(STACKED, ("num_layers", "num_single_layers"))
 
 
 class Flux(layers.Transformer):
@@ -235,7 +234,7 @@ def shift_timesteps(model_config, t, latents):
   resolution (`shift_mu` of the latents' tokens)."""
   if model_config.flux_shift:
     return flow.exponential_shift(t, shift_mu(latents.shape[1]))
-  return flow.shift_timesteps(t, model_config.shift)
+  return flow.shift_by_config(model_config, t)
 
 
 def position_ids(grid) -> np.ndarray:

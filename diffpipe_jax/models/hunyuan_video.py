@@ -197,10 +197,8 @@ class TokenRefiner(layers.Module):
     return x
 
 
-def block_stacks(cfg: HunyuanVideoConfig):
-  """(stack name, layers, relative cost of a layer) in execution order: as Flux's, a double
-  and a single block have the same matmul FLOPs per token and the same attention."""
-  return ((STACKED[0], cfg.num_layers, 1.0), (STACKED[1], cfg.num_single_layers, 1.0))
+# As Flux's: a double and a single block have the same matmul FLOPs per token and attention.
+block_stacks = stacks.equal_cost(STACKED, ("num_layers", "num_single_layers"))
 
 
 class HunyuanVideo(layers.Transformer):
@@ -330,10 +328,6 @@ def checkpoint_path(model_config) -> str:
   return path
 
 
-def shift_timesteps(model_config, t, latents):
-  return flow.shift_timesteps(t, model_config.shift)
-
-
 def training_inputs(model_config, cfg: HunyuanVideoConfig, batch: dict, noisy, t) -> dict:
   """Model inputs for a batch of cached samples: latents [B, C, F, H, W] (here already noised),
   LLaMA states `text` [B, T, D] and their right-padded `text_mask`, CLIP `pooled` [B, D'];
@@ -392,7 +386,7 @@ FAMILY = Family(
     random_batch=random_batch,
     shared_inputs=(),
     position_ids=None,
-    shift_timesteps=shift_timesteps,
+    shift_timesteps=flow.shift_by_config,
     training_inputs=training_inputs,
     condition=None,
     sampling=SAMPLING,

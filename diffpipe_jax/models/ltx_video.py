@@ -183,9 +183,7 @@ class Block(layers.Module):
     return rms_norm(x, self.cfg.norm_eps)
 
 
-def block_stacks(cfg: LTXVideoConfig):
-  """(stack name, layers, relative cost of a layer): one stack."""
-  return ((STACKED[0], cfg.num_layers, 1.0),)
+block_stacks = stacks.equal_cost(STACKED, ("num_layers",))  # one stack
 
 
 class LTXVideo(layers.Transformer):
@@ -359,10 +357,6 @@ def checkpoint_path(model_config) -> str:
   return path
 
 
-def shift_timesteps(model_config, t, latents):
-  return flow.shift_timesteps(t, model_config.shift)
-
-
 def training_inputs(model_config, cfg: LTXVideoConfig, batch: dict, noisy, t) -> dict:
   """Model inputs for a batch of cached samples: packed latents (here already noised), T5
   states `text` [B, T, D] and their `text_mask`, latent grid `position_ids` [B, L, 3] (RoPE
@@ -432,7 +426,7 @@ FAMILY = Family(
     random_batch=random_batch,
     shared_inputs=("video_coords",),
     position_ids=layers.grid_positions,
-    shift_timesteps=shift_timesteps,
+    shift_timesteps=flow.shift_by_config,
     training_inputs=training_inputs,
     condition=condition,
     sampling=SAMPLING,

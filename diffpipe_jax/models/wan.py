@@ -252,9 +252,7 @@ class ImageEmbedding(layers.Module):
     return layers.LayerNorm(eps=IMAGE_NORM_EPS, name="proj.4", **kw)(x)
 
 
-def block_stacks(cfg: WanConfig):
-  """(stack name, layers, relative cost of a layer): one stack."""
-  return ((STACKED[0], cfg.num_layers, 1.0),)
+block_stacks = stacks.equal_cost(STACKED, ("num_layers",))  # one stack
 
 
 class Wan(layers.Transformer):
@@ -430,7 +428,7 @@ def expert_range(model_config) -> Optional[Tuple[float, float]]:
 
 def shift_timesteps(model_config, t, latents):
   """The shift, then, for a Wan 2.2 A14B expert, its side of the boundary (`expert_range`)."""
-  t = flow.shift_timesteps(t, model_config.shift)
+  t = flow.shift_by_config(model_config, t)
   side = expert_range(model_config)
   return t if side is None else side[0] + (side[1] - side[0]) * t
 
