@@ -219,6 +219,7 @@ def test_the_ti2v_pipeline_runs_in_wan_pipeline(tmp_path):
   assert video.shape == (1, 5, 32, 64, 3) and np.isfinite(video).all()
   encoders = WanEncoders.load(root)
   assert encoders.first_frame == "clean" and not encoders.takes_first_frame
+  assert (encoders.frame_rate, WanEncoders.load(root, frame_rate=30).frame_rate) == (24, 30)
   assert list(encoders.encode_fields(clips(5, 32, 64, batch=1))) == ["latents"]
 
 

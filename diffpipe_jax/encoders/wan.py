@@ -44,11 +44,11 @@ class WanEncoders(Encoders):
     self.takes_first_frame = self.first_frame == "channels"
 
   @classmethod
-  def load(cls, path, device=None, dtype=None, max_sequence_length=TEXT_TOKENS, frame_rate=16,
+  def load(cls, path, device=None, dtype=None, max_sequence_length=TEXT_TOKENS, frame_rate=0,
            trained_config=None):
     """The encoders of a diffusers Wan folder (loaded when first needed); the text encoder in
-    float32 on CPU, bfloat16 on CUDA unless told. `frame_rate`: the model's (16 for Wan 2.1, 24
-    for the 2.2 TI2V 5B); `trained_config()`: the config of the transformer trained (default:
+    float32 on CPU, bfloat16 on CUDA unless told. `frame_rate`: videos' (0: the model's, 16 for
+    Wan 2.1, 24 for the 2.2 TI2V 5B); `trained_config()`: the config of the transformer trained (default:
     the folder's), which says what the cache holds besides latents and text, read once the
     folder is known to exist."""
     import torch
@@ -86,7 +86,8 @@ class WanEncoders(Encoders):
     first_frame = wan_model.first_frame_input(transformer)
     if first_frame == "channels":  # the cache holds the condition (and CLIP states): its fingerprint
       options["first_frame"] = "latents+clip" if transformer.image_dim else "latents"
-    return cls(path, device, dtype, options, frame_rate, vae_config, transformer)
+    return cls(path, device, dtype, options, frame_rate or wan_model.frame_rate(transformer),
+               vae_config, transformer)
 
   def load_media_encoders(self):
     """The VAE, and an I2V model's CLIP vision encoder (float32, as WanImageToVideoPipeline's

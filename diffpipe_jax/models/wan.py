@@ -433,6 +433,11 @@ def shift_timesteps(model_config, t, latents):
   return t if side is None else side[0] + (side[1] - side[0]) * t
 
 
+def frame_rate(cfg: WanConfig) -> int:
+  """The frame rate the model was trained at: 24 fps for the 2.2 TI2V 5B, 16 for the others."""
+  return 24 if first_frame_input(cfg) == "clean" else 16
+
+
 def first_frame_mask(cfg: WanConfig, latents):
   """WanImageToVideoPipeline's mask channels for latents [B, C, F, H, W]: the VAE's temporal
   factor of them (the input channels beyond the noisy and the condition latents), 1 on the
@@ -510,8 +515,9 @@ FAMILY = Family(
             "Wan 2.2 A14B (a diffusers folder of two experts): the one this run trains, on its "
             "side of the folder's boundary_ratio (high_noise: t >= it; low_noise: below)"),
         frame_rate=Key(
-            16, number(0, above=True),
-            "videos are decoded at this many frames per second (Wan 2.1: 16; 2.2 TI2V 5B: 24)"),
+            0, number(0),
+            "videos are decoded at this many frames per second; 0: the model's (`frame_rate`: "
+            "Wan 2.1 and 2.2 A14B 16, 2.2 TI2V 5B 24)"),
         first_frame_conditioning_p=Key(
             0.0, PROBABILITY, "Wan 2.2 TI2V 5B: with this probability a video's first latent "
             "frame stays clean, at t = 0, and out of the loss (image to video); an I2V model "
