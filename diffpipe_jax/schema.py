@@ -220,8 +220,8 @@ SHARED = {
     "sample_images": Key(
         (), Rule("a list of image files", lambda v: isinstance(v, (tuple, list)) and all(
             isinstance(p, str) for p in v)),
-        "an image-to-video model's samples (Wan I2V): each prompt's first frame, an image a "
-        "prompt in their order, resized and centre-cropped to the sample size"),
+        "an image-to-video model's samples: each prompt's first frame, an image a prompt in "
+        "their order, resized and centre-cropped to the sample size"),
     "sample_every_n_epochs": Key(0, integer(0), "samples every this many epochs (0: off)"),
     "sample_every_n_steps": Key(0, integer(0), "samples every this many steps (0: off)"),
     "sample_steps": Key(
