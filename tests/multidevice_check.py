@@ -1,5 +1,6 @@
 """Run in its own process with 8 fake CPU devices (see test_sharding.py), for a family's tiny
-model (`multidevice_check.py <model type> <checkpoint> <placements>`, placements such as
+model (`multidevice_check.py <model type> <checkpoint> <placements> [key=value ...]`, the
+config's tiny variant with those `model` keys set, placements such as
 "2x1,1x2,8x1u,2x2@4,2x1x4": data x stages [x sequence_parallel], u for unrolled layers, @
 diffusion-pipe's partition_split, ":"-separated): in every placement the loss and LoRA gradients of
 a step, and a short training run, equal one device's, and the update compiles once; with
@@ -110,9 +111,12 @@ def sampled(fam, model, config, placement, adapter, steps=3):
   return np.asarray(latents)
 
 
-def main(model_type, path, placements):
+def main(model_type, path, placements, *model_keys):
   assert len(jax.devices()) == 8
   fam, config = family_lib.get(model_type), family_config(model_type)
+  for setting in model_keys:
+    key, value = setting.split("=")
+    config.model[key] = type(config.model[key])(value)
   ref_loss, ref_grads, ref_losses, ref_lora, ref_latents, _ = run(fam, path, config, 1, 1)
   for data, stages, seq, unrolled, split in parse_placements(placements):
     loss, grads, losses, adapter, latents, placement = run(fam, path, config, data, stages, seq, unrolled, split)

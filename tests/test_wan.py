@@ -266,3 +266,18 @@ def test_i2v_and_ti2v_train_end_to_end(variant, tmp_path):
   assert "done: 3 steps" in proc.stdout
   [run] = os.listdir(tmp_path / "out")
   assert os.path.isfile(tmp_path / "out" / run / "epoch1" / "pytorch_lora_weights.safetensors")
+
+
+def test_ti2v_conditioning_over_sequence_and_pipeline_parallelism_matches_one_device(tiny_models):
+  """The 2.2 TI2V 5B's per-token timesteps (half the videos' first frames clean) split over 4
+  sequence-parallel devices and over 2 pipeline stages: loss, gradients, training and samples
+  equal one device's (tests/multidevice_check.py)."""
+  import subprocess
+  import sys
+  from test_sharding import ROOT
+  path = tiny_models("wan", seed=4, **wan_torch.TINY_TI2V)["formats"]["diffusers"]
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "multidevice_check.py"), "wan",
+                        path, "1x1x4,1x2", "first_frame_conditioning_p=0.5"],
+                       env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
+  assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout
