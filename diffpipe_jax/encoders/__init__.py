@@ -7,6 +7,7 @@ import json
 import logging
 import os
 
+import numpy as np
 from tqdm import tqdm
 
 # transformers warns, once diffusers' pipeline modules import its image processors, that they
@@ -154,6 +155,21 @@ class Encoders:
       self.__dict__.pop(attr, None)
     if torch.cuda.is_available():
       torch.cuda.empty_cache()
+
+  def posterior_mean(self, pixels, multiple):
+    """The VAE's posterior mean, torch [B, C, F', H', W'], of clips np [B, F, H, W, 3] in [-1, 1]
+    of 1 + k `frames_per_latent` frames and sides multiples of `multiple` (else a one-line
+    ValueError): a video family's latents before its normalisation. The mean, not a sample: the
+    cache is then reproducible, and a sample drawn once would freeze one fixed perturbation per
+    item anyway."""
+    import torch
+    _, f, h, w, _ = pixels.shape
+    if (f - 1) % self.frames_per_latent or h % multiple or w % multiple:
+      raise ValueError(f"{type(self).__name__} encodes 1 + {self.frames_per_latent}k frames with "
+                       f"sides multiples of {multiple}, got {f} frames of {w}x{h}")
+    x = torch.from_numpy(np.ascontiguousarray(pixels.transpose(0, 4, 1, 2, 3)))
+    with torch.no_grad():
+      return self.vae.encode(x.to(self.vae.device, self.vae.dtype)).latent_dist.mean
 
   def first_frame_fields(self, images, frames) -> dict:
     """The conditioning fields of samples of `frames` frames that start from `images` (np [N,

@@ -155,10 +155,8 @@ class HunyuanVideoEncoders(Encoders):
 
   def encode_media(self, pixels):
     """np [B, F, H, W, 3] in [-1, 1] (F = 1 + 4k, sides multiples of 16) -> np float32 latents
-    [B, C, F', H', W'] (unpacked, as the transformer takes them) times the VAE's scaling factor.
-
-    The posterior mean, not a sample: the cache is then reproducible, and a sample drawn once
-    would freeze one fixed perturbation per item anyway.
+    [B, C, F', H', W'] (unpacked, as the transformer takes them): the posterior mean
+    (`posterior_mean`) times the VAE's scaling factor.
 
     Frame-wise encoding is on, as in HunyuanVideoPipeline's VAE: a clip of more than 16 frames is
     encoded in windows of 17 frames every 12, which bounds the memory (activations of 17 frames
@@ -167,14 +165,7 @@ class HunyuanVideoEncoders(Encoders):
     two windows overlap, the earlier one's latents are kept. Up to 17 frames the latents equal
     a whole-clip encode; beyond, every latent frame differs from one (the group norms'
     statistics are the window's, not the clip's)."""
-    import torch
-    b, f, h, w, _ = pixels.shape
-    if (f - 1) % self.frames_per_latent or h % self.pixel_multiple or w % self.pixel_multiple:
-      raise ValueError(f"HunyuanVideo encodes 1 + {self.frames_per_latent}k frames with sides "
-                       f"multiples of {self.pixel_multiple}, got {f} frames of {w}x{h}")
-    x = torch.from_numpy(np.ascontiguousarray(pixels.transpose(0, 4, 1, 2, 3)))
-    with torch.no_grad():
-      z = self.vae.encode(x.to(self.device, self.dtype)).latent_dist.mean
+    z = self.posterior_mean(pixels, self.pixel_multiple)
     return (z * self.vae.config.scaling_factor).float().cpu().numpy()
 
   def decode_media(self, latents, grid):

@@ -102,19 +102,10 @@ class LTXVideoEncoders(Encoders):
 
   def encode_media(self, pixels):
     """np [B, F, H, W, 3] in [-1, 1] (F = 1 + 8k, sides multiples of 32) -> np float32 latents
-    [B, F'*H'*W', C] in (f, h, w) order, normalised per channel as LTXPipeline does.
-
-    The posterior mean, not a sample: the cache is then reproducible, and a sample drawn once
-    would freeze one fixed perturbation per item anyway."""
-    import torch
-    b, f, h, w, _ = pixels.shape
-    if (f - 1) % self.frames_per_latent or h % self.spatial_factor or w % self.spatial_factor:
-      raise ValueError(f"LTX-Video encodes 1 + {self.frames_per_latent}k frames with sides "
-                       f"multiples of {self.spatial_factor}, got {f} frames of {w}x{h}")
-    x = torch.from_numpy(np.ascontiguousarray(pixels.transpose(0, 4, 1, 2, 3)))
-    vae = self.vae
-    with torch.no_grad():
-      z = vae.encode(x.to(self.device, self.dtype)).latent_dist.mean
+    [B, F'*H'*W', C] in (f, h, w) order: the posterior mean (`posterior_mean`), normalised per
+    channel as LTXPipeline does."""
+    vae, b = self.vae, len(pixels)
+    z = self.posterior_mean(pixels, self.spatial_factor)
     stats = lambda t: t.view(1, -1, 1, 1, 1).to(z.device, z.dtype)
     z = (z - stats(vae.latents_mean)) * vae.config.scaling_factor / stats(vae.latents_std)
     return z.permute(0, 2, 3, 4, 1).reshape(b, -1, z.shape[1]).float().cpu().numpy()

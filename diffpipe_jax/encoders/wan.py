@@ -148,20 +148,10 @@ class WanEncoders(Encoders):
 
   def encode_media(self, pixels):
     """np [B, F, H, W, 3] in [-1, 1] (F = 1 + 4k, sides multiples of `pixel_multiple`) -> np
-    float32 latents [B, C, F', H', W'] (unpacked), normalised per channel as WanPipeline
-    normalises a condition frame's: (z - latents_mean) * (1 / latents_std).
-
-    The posterior mean (the pipelines' `sample_mode="argmax"`), not a sample: the cache is then
-    reproducible, and a sample drawn once would freeze one fixed perturbation per item anyway."""
-    import torch
-    b, f, h, w, _ = pixels.shape
-    if (f - 1) % self.frames_per_latent or h % self.pixel_multiple or w % self.pixel_multiple:
-      raise ValueError(f"Wan encodes 1 + {self.frames_per_latent}k frames with sides multiples "
-                       f"of {self.pixel_multiple}, got {f} frames of {w}x{h}")
-    x = torch.from_numpy(np.ascontiguousarray(pixels.transpose(0, 4, 1, 2, 3)))
-    vae = self.vae
-    with torch.no_grad():
-      z = vae.encode(x.to(vae.device, vae.dtype)).latent_dist.mean
+    float32 latents [B, C, F', H', W'] (unpacked): the posterior mean (`posterior_mean`, the
+    pipelines' `sample_mode="argmax"`), normalised per channel as WanPipeline normalises a
+    condition frame's: (z - latents_mean) * (1 / latents_std)."""
+    z = self.posterior_mean(pixels, self.pixel_multiple)
     mean, inv_std = self.latent_stats(z)
     return ((z - mean) * inv_std).float().cpu().numpy()
 
