@@ -91,7 +91,7 @@ class Encoders:
       # above any open bar (the cache's, when it is the first use), not on its line
       tqdm.write(f"loading the {what if media else 'text encoders'} from {sources} ({self.device})")
       with library_bars_off():
-        if media:  # alone: decoding samples needs nothing else
+        if media:  # without the text encoders: decoding samples needs the VAE alone
           self.load_media_encoders()
         else:
           self.load_text_encoders()

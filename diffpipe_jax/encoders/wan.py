@@ -35,7 +35,7 @@ class WanEncoders(Encoders):
 
   def __init__(self, path, device, dtype, options, frame_rate, vae_config, transformer):
     super().__init__(path, device, dtype, options)
-    self.frame_rate, self.vae_config, self.transformer = frame_rate, vae_config, transformer
+    self.frame_rate, self.vae_config = frame_rate, vae_config
     self.patch_size = tuple(transformer.patch_size)
     self.first_frame = wan_model.first_frame_input(transformer)
     if transformer.image_dim is not None:
@@ -48,9 +48,9 @@ class WanEncoders(Encoders):
            trained_config=None):
     """The encoders of a diffusers Wan folder (loaded when first needed); the text encoder in
     float32 on CPU, bfloat16 on CUDA unless told. `frame_rate`: videos' (0: the model's, 16 for
-    Wan 2.1, 24 for the 2.2 TI2V 5B); `trained_config()`: the config of the transformer trained (default:
-    the folder's), which says what the cache holds besides latents and text, read once the
-    folder is known to exist."""
+    Wan 2.1, 24 for the 2.2 TI2V 5B); `trained_config()`: the config of the transformer trained
+    (default: the folder's), which says what the cache holds besides latents and text, read
+    once the folder is known to exist."""
     import torch
     from diffusers.utils import is_ftfy_available
     if not path:
@@ -59,7 +59,8 @@ class WanEncoders(Encoders):
     if not os.path.isdir(path):
       raise UserError(f"model.diffusers_path {path} does not exist: set it to a diffusers Wan "
                       "pipeline folder (with vae/, text_encoder/, tokenizer/)")
-    missing = lambda components: [sub for sub in components if not os.path.isdir(os.path.join(path, sub))]
+    missing = lambda components: [sub for sub in components
+                                   if not os.path.isdir(os.path.join(path, sub))]
     if missing(cls.components):
       raise UserError(f"{path} lacks the encoder folder(s) {missing(cls.components)}: "
                       "model.diffusers_path must be a diffusers Wan pipeline folder (with vae/, "

@@ -475,7 +475,8 @@ def condition(model_config, cfg: WanConfig, key, batch, noisy, t):
   clean = chosen[:, None] & (jnp.arange(frames) < cfg.patch_size[0])[None]  # [B, F]
   noisy = jnp.where(clean[:, None, :, None, None], batch["latents"].astype(noisy.dtype), noisy)
   grid = [n // s for n, s in zip(noisy.shape[2:], cfg.patch_size)]
-  clean_tokens = jnp.broadcast_to(chosen[:, None, None, None] & (jnp.arange(grid[0]) == 0)[None, :, None, None],
+  first_tokens = (jnp.arange(grid[0]) == 0)[None, :, None, None]
+  clean_tokens = jnp.broadcast_to(chosen[:, None, None, None] & first_tokens,
                                   (t.shape[0], *grid)).reshape(t.shape[0], -1)
   # the loss's error is averaged over the last axis (columns): a mask over the rest broadcasts
   kept = (~clean).astype(jnp.float32)[:, None, :, None]
