@@ -16,10 +16,6 @@ from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import TorchSide
 from diffpipe_jax.models import wan as wan_model
 
-# WanPipeline's max_sequence_length and Wan's text_len (diffusers' I2V attention assumes it)
-TEXT_TOKENS = 512
-PATCH = (1, 2, 2)  # every released transformer's patch, when the folder has no transformer config
-
 
 class WanEncoders(Encoders):
   """Wan: AutoencoderKLWan latents (8x spatial and 4x temporal for 2.1 and the 2.2 A14B, 16x
@@ -27,11 +23,12 @@ class WanEncoders(Encoders):
   after each prompt's tokens. Both run in `dtype`, as the other families' encoders. For an I2V
   transformer also the first frame's condition latents and, where it has an image embedder
   (2.1 I2V), the first frame's CLIP states (`encode_fields`)."""
-  TEXT_COMPONENTS = {"tokenizer": ("tokenizer", "AutoTokenizer"),
-                     "text_encoder": ("umt5", "UMT5EncoderModel")}
+  components = {"vae": ("vae", "AutoencoderKLWan"),
+                "tokenizer": ("tokenizer", "AutoTokenizer"),
+                "text_encoder": ("umt5", "UMT5EncoderModel")}
+  # an I2V transformer's with an image embedder (2.1 I2V), loaded with the VAE
   IMAGE_COMPONENTS = {"image_encoder": ("clip", "CLIPVisionModel"),
                       "image_processor": ("clip_processor", "CLIPImageProcessor")}
-  components = {"vae": ("vae", "AutoencoderKLWan"), **TEXT_COMPONENTS}
 
   def __init__(self, path, device, dtype, options, frame_rate, vae_config, transformer):
     super().__init__(path, device, dtype, options)
@@ -40,11 +37,14 @@ class WanEncoders(Encoders):
     self.first_frame = wan_model.first_frame_input(transformer)
     if transformer.image_dim is not None:
       self.components = {**self.components, **self.IMAGE_COMPONENTS}
-      self.media_components = ("vae", "clip", "clip_processor")
-    self.takes_first_frame = self.first_frame == "channels"
+      self.media_components = ("vae", *(attr for attr, _ in self.IMAGE_COMPONENTS.values()))
+
+  @property
+  def takes_first_frame(self):
+    return self.first_frame == "channels"
 
   @classmethod
-  def load(cls, path, device=None, dtype=None, max_sequence_length=TEXT_TOKENS, frame_rate=0,
+  def load(cls, path, device=None, dtype=None, max_sequence_length=wan_model.TEXT_TOKENS, frame_rate=0,
            trained_config=None):
     """The encoders of a diffusers Wan folder (loaded when first needed); the text encoder in
     float32 on CPU, bfloat16 on CUDA unless told. `frame_rate`: videos' (0: the model's, 16 for
@@ -69,7 +69,7 @@ class WanEncoders(Encoders):
       transformer = trained_config()
     else:
       config = os.path.join(path, "transformer", "config.json")
-      transformer = wan_model.WanConfig(patch_size=PATCH)
+      transformer = wan_model.WanConfig()  # the released patch, as WanPipeline assumes
       if os.path.isfile(config):
         with open(config) as f:
           transformer = wan_model.config_from_diffusers(json.load(f))
@@ -290,7 +290,8 @@ def build_tiny_vae(seed=0, wan22=False):
 
 PREFIX = "model.diffusion_model."  # of the transformer in some of ComfyUI's files
 ORIGINAL_STEM = "diffusion_pytorch_model"  # Wan-AI's file names (as a diffusers folder's)
-WAN22_Z = 48  # the 2.2 VAE's latent channels: a transformer of 48 in and out is a TI2V
+# Wan-AI's config.json `model_type` by how the model is given a first frame
+ORIGINAL_MODEL_TYPES = {"channels": "i2v", "clean": "ti2v", "": "t2v"}
 
 
 def original_tensors(model):
@@ -300,11 +301,9 @@ def original_tensors(model):
 
 
 def original_model_type(config):
-  """Wan-AI's config.json `model_type`: i2v where the latents carry a condition (more input
-  channels than output), ti2v for the 2.2 VAE's 48 channels, else t2v."""
-  if config.in_channels != config.out_channels:
-    return "i2v"
-  return "ti2v" if config.in_channels == WAN22_Z else "t2v"
+  """Wan-AI's config.json `model_type` of a diffusers transformer config: i2v, ti2v or t2v
+  (`models.wan.first_frame_input`)."""
+  return ORIGINAL_MODEL_TYPES[wan_model.first_frame_input(wan_model.config_from_diffusers(dict(config)))]
 
 
 def original_config(model, model_type=None):
@@ -314,7 +313,7 @@ def original_config(model, model_type=None):
           "dim": c.num_attention_heads * c.attention_head_dim, "eps": c.eps, "ffn_dim": c.ffn_dim,
           "freq_dim": c.freq_dim, "in_dim": c.in_channels,
           "model_type": model_type or original_model_type(c), "num_heads": c.num_attention_heads,
-          "num_layers": c.num_layers, "out_dim": c.out_channels, "text_len": TEXT_TOKENS}
+          "num_layers": c.num_layers, "out_dim": c.out_channels, "text_len": wan_model.TEXT_TOKENS}
 
 
 def write_sharded(tensors, folder, shards, stem=ORIGINAL_STEM):

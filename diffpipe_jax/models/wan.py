@@ -417,7 +417,7 @@ def expert_range(model_config) -> Optional[Tuple[float, float]]:
   given = (model_config.min_t, model_config.max_t)
   if given == (0.0, 1.0):
     return side
-  shifted = tuple(float(flow.shift_timesteps(t, model_config.shift)) for t in given)
+  shifted = tuple(float(flow.shift_by_config(model_config, t)) for t in given)
   if not side[0] - 1e-6 <= shifted[0] <= shifted[1] <= side[1] + 1e-6:
     raise UserError(f"model.expert={model_config.expert!r} trains the timesteps {list(side)} of "
                     f"the boundary {b}, but min_t/max_t = {list(given)} (shifted: "
