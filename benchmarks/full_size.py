@@ -624,9 +624,11 @@ def pipeline_folder(pipeline: str, components: dict, dtype, shard_sizes: Dict[st
 
 
 def scheduler(settings: dict):
-  """The released FlowMatchEulerDiscreteScheduler (the settings our sampler takes too)."""
-  from diffusers import FlowMatchEulerDiscreteScheduler
-  return FlowMatchEulerDiscreteScheduler(**settings)
+  """The released scheduler (the settings our sampler takes too): the class that `_class_name`
+  names, FlowMatchEulerDiscreteScheduler where none."""
+  import diffusers
+  settings = dict(settings)
+  return getattr(diffusers, settings.pop("_class_name", "FlowMatchEulerDiscreteScheduler"))(**settings)
 
 
 def t5_xxl(shrink):
@@ -766,10 +768,9 @@ def wan_transformer(shrink: bool, size: str):
 def wan_diffusers(shrink: bool, size: str = "14b") -> Plan:
   """Wan-AI/Wan2.1-T2V-14B-Diffusers (or -1.3B-) as WanPipeline's save_pretrained writes it, bf16
   (the Hub's 2.1 folders are float32: this halves the 14B's, so that it fits the GPU machine's
-  disk) in 5 GB shards as theirs; the scheduler as our tiny pipeline's (the flow-matching Euler
-  scheduler at the released shift, where the Hub's folders name UniPC)."""
+  disk) in 5 GB shards as theirs; the released UniPC scheduler."""
   components = dict(
-      scheduler=scheduler(dict(shift=wan_side.FLOW_SHIFT)),
+      scheduler=scheduler(wan.RELEASED_SCHEDULER),
       vae=diffusers_model("AutoencoderKLWan", config("wan_vae", shrink)),
       text_encoder=transformers_model("UMT5EncoderModel", "UMT5Config", config("umt5_xxl", shrink)),
       tokenizer=tiny.t5_tokenizer(),

@@ -1,4 +1,4 @@
-"""Sampling speed: our Euler sampler (`diffpipe_jax.sampling.denoise`) beside the family's diffusers
+"""Sampling speed: our sampler (`diffpipe_jax.sampling.denoise`) beside the family's diffusers
 pipeline's transformer loop (prompt embeddings given, `output_type="latent"`: no text encoders,
 no VAE), on the released shape with random weights in bf16, one call, one table.
 
@@ -93,7 +93,8 @@ def peer(a):
   with torch.device(device):  # random weights, made on the device
     transformer = cls(**{k: v for k, v in dataclasses.asdict(shape.cfg).items() if k in accepted})
     transformer = transformer.to(dtype).eval()
-  scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**family.sampling.scheduler(shape.cfg))
+  released = dict(family.sampling.scheduler(shape.cfg))
+  scheduler = getattr(diffusers, released.pop("_class_name", "FlowMatchEulerDiscreteScheduler"))(**released)
   pipeline = getattr(diffusers, {"flux": "FluxPipeline", "ltx-video": "LTXPipeline",
                                  "hunyuan-video": "HunyuanVideoPipeline"}[a.model])
   components = {n: None for n in inspect.signature(pipeline.__init__).parameters if n != "self"}

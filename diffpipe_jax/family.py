@@ -58,12 +58,12 @@ class SingleFile:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
   """How the family's diffusers pipeline samples (`diffpipe_jax.sampling`): `scheduler(cfg)`, the
-  released FlowMatchEulerDiscreteScheduler config (a diffusers folder's own wins); `spacing`, its
-  pipeline's sigmas before the shift (`sampling.SPACINGS`): N from 1 to 1/N ("1/N": Flux,
-  LTX-Video pass these), N + 1 from 1 to 0 without the last ("0": HunyuanVideo's), or none
-  passed, the scheduler's own ("scheduler": Wan's); how guidance enters: "embedded" (the guidance embedding, as
-  `model.guidance` through `training_inputs`) or "cfg" (classifier-free, against the empty
-  prompt); the pipeline's default `steps` and `guidance`; `latent_shape(cfg, grid)`: one
+  released scheduler config (a diffusers folder's own wins; its `_class_name` picks the solver,
+  FlowMatchEulerDiscreteScheduler where it names none: `sampling.solver`); `spacing`, its
+  pipeline's sigmas before the shift (`sampling.SPACINGS`): N from 1 to 1/N ("1/N"), N + 1 from
+  1 to 0 without the last ("0"), or none passed, the scheduler's own ("scheduler"); how guidance
+  enters: "embedded" (the guidance embedding, as `model.guidance` through `training_inputs`) or
+  "cfg" (classifier-free, against the negative prompt); the pipeline's default `steps` and `guidance`; `latent_shape(cfg, grid)`: one
   sample's latents for a latent grid (the encoders' `latent_grid`)."""
   scheduler: Callable
   spacing: str
@@ -111,6 +111,10 @@ class Family:
   # Wan 2.2 TI2V's first-frame conditioning); None: none
   condition: Optional[Callable]
   sampling: Sampling
+  # model_config -> ((the model_config of each expert, the timestep (0..1) from which it serves
+  # the sampler's steps), ...) from high noise down, where the checkpoint holds several experts
+  # and model_config picks none (its pipeline switches between them); () for one model
+  sampling_experts: Callable = lambda model_config: ()
   torch_side: str  # the module of its `TorchSide`
 
 

@@ -53,50 +53,73 @@ def lora_argument(value: str):
                     "PATH:SCALE)") from None
 
 
+def read_adapter(loras, plain, family, placement):
+  """LoRAs (path, scale) as one adapter on the placement's stages, or None."""
+  adapters = [lora.scaled(lora.read(lora_path, plain, family), scale) for lora_path, scale in loras]
+  return placement.to_stages(lora.combine(adapters)) if adapters else None
+
+
 def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, guidance=-1.0,
-        frames=0, height=0, width=0, seed=None, images: Sequence[str] = ()) -> list:
+        frames=0, height=0, width=0, seed=None, images: Sequence[str] = (), negative=None,
+        loras_2: Sequence[str] = ()) -> list:
   """The sampling command: the config's base model with `loras` (path[:scale] each), every
   prompt at the config's sample settings unless given (an image-to-video model's from the
-  first frame of each, `images`). Writes `output_paths(out, ...)`, each beside a .txt of its
-  prompt. Returns the paths written."""
+  first frame of each, `images`; guided away from `negative`, by default the config's
+  sample_negative_prompt). A checkpoint of two experts (`Family.sampling_experts`) samples with
+  both, as its pipeline switches between them, `loras` on the first, `loras_2` on the second.
+  Writes `output_paths(out, ...)`, each beside a .txt of its prompt. Returns the paths written."""
   family = family_lib.get(config.model.type)
   validate.check(config, family)
   memory = device_memory.Sharing(config.max_device_memory_gib)  # before JAX's backend starts
   if not texts:
     raise UserError("give at least one --prompt (or a .txt file of a prompt a line)")
-  texts, loras = sampling.prompt_lines(texts), [lora_argument(value) for value in loras]
-  for lora_path, _ in loras:  # before anything loads
-    if not os.path.exists(lora_path):
-      raise UserError(f"--lora {lora_path} does not exist")
-  path = tiny.checkpoint_path(config, family)
-  encoders = family_lib.torch_side(family).load_encoders(config.model)  # (its models load when used)
+  texts = sampling.prompt_lines(texts)
+  loras, loras_2 = ([lora_argument(value) for value in values] for values in (loras, loras_2))
+  for flag, given in (("--lora", loras), ("--lora_2", loras_2)):  # before anything loads
+    for lora_path, _ in given:
+      if not os.path.exists(lora_path):
+        raise UserError(f"{flag} {lora_path} does not exist")
+  experts = family.sampling_experts(config.model)
+  if loras_2 and len(experts) < 2:
+    raise UserError("--lora_2 is for the second expert of a checkpoint of two (model.expert "
+                    "empty); this config samples one model: use --lora")
+  model_configs = [model_config for model_config, _ in experts] or [config.model]
+  paths = ([family.checkpoint_path(model_config) for model_config in model_configs] if experts
+           else [tiny.checkpoint_path(config, family)])
+  encoders = family_lib.torch_side(family).load_encoders(model_configs[0])  # (loaded when used)
   sampling.check_first_frames(encoders, len(texts), images, key="--image")
   f, h, w = sampling.size(config, encoders.pixel_multiple)
   frames, height, width = frames or f, height or h, width or w
-  paths = output_paths(out, len(texts), frames)
+  out_paths = output_paths(out, len(texts), frames)
   # the prompts first, their text encoders freed before JAX takes its pool (`device_memory`)
-  prompts = sampling.encode_prompts(family, encoders, texts, frames, height, width, images=images)
+  negative = config.sample_negative_prompt if negative is None else negative
+  prompts = sampling.encode_prompts(family, encoders, texts, frames, height, width, images=images,
+                                    negative=negative)
   encoders.release()
   memory.training()
   # one device, the blocks unrolled (programs per block: faster than the scan), the config's
   # float8 base and swapped blocks
   placement = sharding.make_placement(sharding.make_mesh(1, jax.devices()[:1]), family.stacks(
-      models.checkpoint_config(family.type, path)), 1, config.blocks_to_swap, unrolled=True)
-  model = models.load(family.type, path, dtype=jnp.dtype(config.model.dtype),
-                      transformer_dtype=config.model.transformer_dtype,
-                      runtime=runtime.Runtime.of(placement), placement=placement)
+      models.checkpoint_config(family.type, paths[0])), 1, config.blocks_to_swap, unrolled=True)
+  loaded = [models.load(family.type, path, dtype=jnp.dtype(config.model.dtype),
+                        transformer_dtype=config.model.transformer_dtype,
+                        runtime=runtime.Runtime.of(placement), placement=placement) for path in paths]
+  model = loaded[0]
   plain = models.abstract_params(family, model.module, model.config)  # the stacked form's shapes
-  adapters = [lora.scaled(lora.read(lora_path, plain, family), scale) for lora_path, scale in loras]
-  adapter = lora.combine(adapters) if adapters else None
   default_steps, default_guidance = sampling.defaults(family, config)
   steps, guidance = steps or default_steps, default_guidance if guidance < 0 else guidance
   seed = config.sample_seed if seed is None else seed
+  step = sampling.step_fn(model, config.model, guidance)
+  # the experts share one shape (their modules are equal), so one step program serves them all
+  assert all(other.config == model.config for other in loaded), "experts of different shapes"
+  further = [sampling.Expert(experts[k][1], loaded[k + 1].params,
+                             read_adapter(loras_2 if k == 0 else (), plain, family, placement), step)
+             for k in range(len(loaded) - 1)]
   with tqdm(total=steps * len(texts), desc="sampling", unit="step", dynamic_ncols=True) as bar:
-    latents = sampling.draw(model, model.params, adapter and placement.to_stages(adapter), config.model,
-                            prompts, steps, guidance, seed,
-                            step=sampling.step_fn(model, config.model, guidance),
-                            progress=lambda i: bar.update(1))
-  written = sampling.write(encoders, latents, prompts, paths, encoders.frame_rate or 24)
+    latents = sampling.draw(model, model.params, read_adapter(loras, plain, family, placement),
+                            config.model, prompts, steps, guidance, seed, step=step,
+                            progress=lambda i: bar.update(1), experts=further)
+  written = sampling.write(encoders, latents, prompts, out_paths, encoders.frame_rate or 24)
   for path, _ in written:
     print(f"wrote {path}")
   return [path for path, _ in written]
@@ -111,7 +134,7 @@ def main(argv):
     raise app.UsageError("pass --config configs/<family>.py[:variant]")
   try:
     run(f.config, f.lora or [], f.prompt or [], f.out, f.steps, f.guidance, f.frames, f.height,
-        f.width, f.seed, f.image or [])
+        f.width, f.seed, f.image or [], f.negative_prompt, f.lora_2 or [])
   except UserError as e:
     raise SystemExit(f"error: {e}")
 
@@ -122,9 +145,13 @@ def define_flags():
   config_flags.DEFINE_config_file("config", None, "configs/<family>.py file, optionally :variant",
                                   lock_config=True)
   flags.DEFINE_multi_string("lora", None, "a LoRA (folder or .safetensors), optionally :scale; repeat for several")
+  flags.DEFINE_multi_string("lora_2", None, "a checkpoint of two experts: a LoRA of the second "
+                            "(its low-noise one), as --lora; --lora's go to the first")
   flags.DEFINE_multi_string("prompt", None, "a prompt, or a .txt file of a prompt a line; repeat for several")
   flags.DEFINE_multi_string("image", None, "an image-to-video model's first frame, an image file a "
                             "prompt, in their order; repeat for several")
+  flags.DEFINE_string("negative_prompt", None, "classifier-free families: what the samples are "
+                      "guided away from (default: the config's sample_negative_prompt)")
   flags.DEFINE_string("out", "samples", "a folder, or a file: .png, .jpg, .webp (images), .mp4, .webm "
                       "(videos); numbered _NN for several prompts")
   flags.DEFINE_integer("steps", 0, "sampling steps (0: the config's sample_steps, else the pipeline's)")

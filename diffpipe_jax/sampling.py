@@ -1,12 +1,15 @@
-"""The sampler: the flow-matching Euler sampler of each family's diffusers pipeline, in JAX, with
-LoRAs; used by the training loop's samples and by the sampling command (`sample.py`).
+"""The sampler: each family's diffusers pipeline's flow-matching sampler, in JAX, with LoRAs;
+used by the training loop's samples and by the sampling command (`sample.py`).
 
 Given the same initial noise, prompt embeddings, steps and guidance, the latents equal the
-family's diffusers pipeline's (tests/test_sample.py). The schedule is the pipeline's: sigmas
-shifted as its FlowMatchEulerDiscreteScheduler config says (the diffusers folder's own, else the
-released model's: `Family.sampling`), x <- x + (sigma_next - sigma) v in float32. Guidance goes
-into the model's guidance embedding or is classifier-free against the empty prompt, as the
-family's pipeline does it. What a step computes from its noise level alone (the blocks' AdaLN
+family's diffusers pipeline's (tests/test_sample.py). The schedule and the solver are its
+scheduler's (the diffusers folder's own config, else the released model's: `Family.sampling`):
+FlowMatchEulerDiscreteScheduler's Euler steps, x <- x + (sigma_next - sigma) v in float32, or
+UniPCMultistepScheduler's predictor-corrector over flow sigmas (Wan's), whose steps are linear
+in the latents and the earlier data predictions with coefficients that the sigmas alone fix,
+computed on the host before the first step (`unipc_coefficients`). Guidance goes into the
+model's guidance embedding or is classifier-free against the negative prompt, as the family's
+pipeline does it. What a step computes from its noise level alone (the blocks' AdaLN
 modulations) is computed for every step at once, before the first (`programs.ahead_of_calls`).
 """
 import copy
@@ -55,11 +58,9 @@ def base_sigmas(scheduler: dict, steps: int, spacing: str) -> np.ndarray:
   return np.linspace(float(ends[0]) * n, float(ends[1]) * n, steps) / n
 
 
-def sigmas(scheduler: dict, steps: int, tokens: int, spacing: str) -> np.ndarray:
-  """The N + 1 sigmas (the last 0) of a pipeline's `set_timesteps` for `tokens` latent tokens,
-  as FlowMatchEulerDiscreteScheduler computes them (float32)."""
-  if steps < 1:
-    raise UserError(f"sampling needs at least 1 step, got {steps}")
+def euler_sigmas(scheduler: dict, steps: int, tokens: int, spacing: str) -> np.ndarray:
+  """The N + 1 sigmas (the last 0) of a pipeline's FlowMatchEulerDiscreteScheduler.set_timesteps
+  for `tokens` latent tokens (float32)."""
   s = base_sigmas(scheduler, steps, spacing).astype(np.float32)
   if scheduler.get("use_dynamic_shifting"):
     # the pipelines' `calculate_shift`: mu linear in the tokens, base_shift at base_image_seq_len
@@ -77,75 +78,269 @@ def sigmas(scheduler: dict, steps: int, tokens: int, spacing: str) -> np.ndarray
   return np.append(s.astype(np.float32), np.float32(0))
 
 
+# UniPCMultistepScheduler's settings that the sampler follows, with the values it supports (the
+# released Wan configs'); any other value is refused rather than sampled differently
+UNIPC_FIXED = dict(use_flow_sigmas=True, prediction_type="flow_prediction", predict_x0=True,
+                   thresholding=False, solver_p=None, use_dynamic_shifting=False,
+                   shift_terminal=None, use_karras_sigmas=False, use_exponential_sigmas=False,
+                   use_beta_sigmas=False)
+UNIPC_DEFAULTS = dict(UNIPC_FIXED, prediction_type="epsilon", use_flow_sigmas=False,
+                      num_train_timesteps=1000, flow_shift=1.0, solver_order=2,
+                      solver_type="bh2", lower_order_final=True, disable_corrector=[],
+                      final_sigmas_type="zero")
+
+
+def unipc_settings(scheduler: dict) -> dict:
+  """A UniPCMultistepScheduler config with its defaults, or a UserError naming what the sampler
+  does not follow."""
+  settings = UNIPC_DEFAULTS | scheduler
+  unlike = {k: settings[k] for k, v in UNIPC_FIXED.items() if settings[k] != v}
+  if unlike or settings["solver_type"] not in ("bh1", "bh2"):
+    raise UserError(f"the scheduler config's UniPCMultistepScheduler settings "
+                    f"{unlike or {'solver_type': settings['solver_type']}} are not supported: "
+                    f"the sampler follows Wan's ({UNIPC_FIXED}, solver_type bh1 or bh2)")
+  return settings
+
+
+def unipc_sigmas(settings: dict, steps: int):
+  """(sigmas [N + 1] float32, the model's timesteps [N] float32 in 0..1) of
+  UniPCMultistepScheduler.set_timesteps over flow sigmas: N of N + 1 from 1 to 1 / n (n its
+  num_train_timesteps), shifted, the first just below 1; the last sigma 0 or the one before; the
+  timesteps the pipeline passes the model: sigma * n truncated to an integer (then / n)."""
+  n = settings["num_train_timesteps"]
+  s = np.linspace(1, 1 / n, steps + 1)[:-1]
+  shift = settings["flow_shift"]
+  s = shift * s / (1 + (shift - 1) * s)
+  if abs(s[0] - 1) < 1e-6:  # (its guard against log(0) in the first updates)
+    s[0] -= 1e-6
+  timesteps = (np.trunc(s * n) / n).astype(np.float32)
+  last = 0.0 if settings["final_sigmas_type"] == "zero" else s[-1]
+  return np.append(s, last).astype(np.float32), timesteps
+
+
+def uni_bh(lam, alpha, sigma, t: int, s0: int, earlier: Sequence[int], bh2: bool, corrector: bool):
+  """UniPC's B(h) update from sigma index s0 to t as coefficients: x_t = ratio x + on_s0 m_s0 +
+  sum(on_earlier m_earlier) + on_t m_t, where m are the data predictions at those indices
+  (`earlier` those before s0 that the order reads; m_t only for the corrector, UniC). The
+  maths of diffusers' multistep_uni_p_bh_update / multistep_uni_c_bh_update, in float64."""
+  h = lam[t] - lam[s0]
+  rks = np.array([(lam[e] - lam[s0]) / h for e in earlier] + [1.0])
+  hh = -h  # predict_x0
+  h_phi_1 = np.expm1(hh)
+  h_phi_k, factorial = h_phi_1 / hh - 1, 1
+  b_h = np.expm1(hh) if bh2 else hh
+  order = len(earlier) + 1
+  powers, b = [], []
+  for i in range(1, order + 1):
+    powers.append(rks ** (i - 1))
+    b.append(h_phi_k * factorial / b_h)
+    factorial *= i + 1
+    h_phi_k = h_phi_k / hh - 1 / factorial
+  powers, b = np.array(powers), np.array(b)
+  if corrector:
+    rhos = [0.5] if order == 1 else np.linalg.solve(powers, b)
+  else:
+    rhos = [] if order == 1 else [0.5] if order == 2 else np.linalg.solve(powers[:-1, :-1], b[:-1])
+  # x_t = sigma_t / sigma_s0 x - alpha_t h_phi_1 m_s0 - alpha_t B(h) (sum_k rho_k (m_k - m_s0) / r_k
+  #       [+ rho_last (m_t - m_s0)]): regrouped by the prediction each term reads
+  on_earlier = [-alpha[t] * b_h * rho / rk for rho, rk in zip(rhos, rks[:-1])]
+  on_t = -alpha[t] * b_h * rhos[-1] if corrector else 0.0
+  on_s0 = -alpha[t] * h_phi_1 - sum(on_earlier) - on_t
+  return sigma[t] / sigma[s0], on_s0, on_earlier, on_t
+
+
+def unipc_coefficients(settings: dict, s: np.ndarray) -> np.ndarray:
+  """Each step's coefficients [N, 2 order + 5] (float32) for `unipc_update`: sigma; the
+  corrector's on (x, the last corrected latents, m_i, m_i-1, ..., m_i-order); the predictor's
+  on (the corrected latents, m_i, ..., m_i-order), as UniPCMultistepScheduler.step orders its
+  updates (the warm-up's lower orders, `lower_order_final`, `disable_corrector`)."""
+  s64 = s.astype(np.float64)
+  alpha = 1 - s64
+  # a last sigma 0 (lambda = inf) or equal to the one before (h = 0) gives infinities that the
+  # maths takes where diffusers' does, and NaNs in terms that the step does not read
+  with np.errstate(divide="ignore", invalid="ignore"):
+    rows = unipc_rows(settings, s64, np.log(alpha) - np.log(s64), alpha)
+  if not np.isfinite(rows).all():
+    raise UserError(f"UniPC of order {settings['solver_order']} cannot take its last step to sigma 0 "
+                    "at that order: set the scheduler config's lower_order_final to true (the "
+                    "released configs')")
+  return rows
+
+
+def unipc_rows(settings, s64, lam, alpha) -> np.ndarray:
+  """`unipc_coefficients` from the float64 sigmas, their lambdas and alphas."""
+  order, bh2 = settings["solver_order"], settings["solver_type"] == "bh2"
+  steps, rows, last_order = len(s64) - 1, [], 0
+  for i in range(steps):
+    corrector = np.zeros(order + 3)
+    if i > 0 and i - 1 not in settings["disable_corrector"]:
+      ratio, on_s0, on_earlier, on_t = uni_bh(lam, alpha, s64, i, i - 1,
+                                              range(i - 2, i - 1 - last_order, -1), bh2, True)
+      corrector[1:4 + len(on_earlier)] = [ratio, on_t, on_s0, *on_earlier]
+    else:
+      corrector[0] = 1.0
+    this_order = min(order, steps - i) if settings["lower_order_final"] else order
+    last_order = this_order = min(this_order, min(i, order) + 1)
+    ratio, on_s0, on_earlier, _ = uni_bh(lam, alpha, s64, i + 1, i,
+                                         range(i - 1, i - this_order, -1), bh2, False)
+    predictor = np.zeros(order + 2)
+    predictor[:2 + len(on_earlier)] = [ratio, on_s0, *on_earlier]
+    rows.append(np.concatenate([[s64[i]], corrector, predictor]))
+  return np.array(rows, np.float32)
+
+
+def unipc_update(x, v, row, history):
+  """One UniPC step from the model's velocity v at x (`unipc_coefficients`' row): the data
+  prediction m = x - sigma v; x corrected with it (UniC); then the predictor's next latents
+  (UniP). `history`: (the last corrected latents, m_i-1, ..., m_i-order)."""
+  last, earlier = history[0], history[1:]
+  m = x - row[0] * v  # UniPCMultistepScheduler.convert_model_output for flow_prediction
+  weigh = lambda coefficients, terms: sum(c * term for c, term in zip(coefficients, terms))
+  order = len(earlier)
+  corrected = weigh(row[1:order + 4], (x, last, m, *earlier))
+  x_next = weigh(row[order + 4:], (corrected, m, *earlier))
+  return x_next, (corrected, m, *earlier[:-1])
+
+
+def euler_update(x, v, row, history):
+  """FlowMatchEulerDiscreteScheduler.step: x + (sigma_next - sigma) v (row: sigma, sigma_next)."""
+  return x + (row[1] - row[0]) * v, history
+
+
+@dataclasses.dataclass(frozen=True)
+class Solver:
+  """A scheduler's steps: `schedule(steps, tokens)` -> (the model's timestep a step [N], each
+  step's coefficients [N, K]), both float32; `update(x, v, coefficients, history) -> (next x,
+  history)`, with `history` (the arrays a step hands the next, as many as `carries`) starting
+  at zeros like x."""
+  schedule: Callable
+  update: Callable
+  carries: int
+
+
+def solver(scheduler: dict, spacing: str) -> Solver:
+  """The `Solver` of a pipeline's scheduler config (its `_class_name`; FlowMatchEulerDiscrete
+  where it names none); `spacing`: the sigmas the pipeline passes `set_timesteps` (`SPACINGS`)."""
+  name = scheduler.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+  if name == "FlowMatchEulerDiscreteScheduler":
+    def schedule(steps, tokens):
+      s = euler_sigmas(scheduler, steps, tokens, spacing)
+      return s[:-1], np.stack([s[:-1], s[1:]], axis=1)
+    return Solver(schedule, euler_update, 0)
+  if name == "UniPCMultistepScheduler":
+    settings = unipc_settings(scheduler)
+    if spacing != "scheduler":
+      raise ValueError(f"UniPC takes the scheduler's own sigmas, not spacing {spacing!r}")
+    def schedule(steps, tokens):
+      s, timesteps = unipc_sigmas(settings, steps)
+      return timesteps, unipc_coefficients(settings, s)
+    return Solver(schedule, unipc_update, 1 + settings["solver_order"])
+  raise UserError(f"the scheduler {name} is not supported: the sampler follows "
+                  "FlowMatchEulerDiscreteScheduler and UniPCMultistepScheduler (set the diffusers "
+                  "folder's scheduler/scheduler_config.json back to the released one)")
+
+
+def check_steps(steps: int):
+  if steps < 1:
+    raise UserError(f"sampling needs at least 1 step, got {steps}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Steps:
-  """A sampler's Euler steps (`step_fn`): `ahead(adapter, params, batch, x, sigmas, next
-  sigmas)` computes what the steps read that the latents do not change (the blocks' AdaLN
+  """A sampler's steps (`step_fn`): `ahead(adapter, params, batch, state, timesteps,
+  coefficients)` computes what the steps read that the latents do not change (the blocks' AdaLN
   modulations: `programs.ahead`), for all the steps at once, and returns each step's;
-  `step(its values, adapter, params, batch, x, sigma, sigma_next)` is a step, reading them."""
+  `step(its values, adapter, params, batch, state, timestep, coefficients)` is a step, reading
+  them, from state (x, the solver's history) to the next; `solver`: the scheduler's."""
   ahead: Callable
   step: Callable
+  solver: Solver
 
 
 def step_fn(model, model_config, guidance: float, jit_options=programs.JIT_OPTIONS) -> Steps:
-  """The Euler steps of the pipeline (`Steps`), each one program: the model's velocity at sigma
-  with the adapter (None: the base model), with `guidance` embedded (`model.guidance`) or
-  classifier-free (the batch holds the pipeline's [uncond, cond] rows; x the cond half's
-  latents), then x + (sigma_next - sigma) v in float32. Run as the model's runtime runs a
+  """The steps of the pipeline (`Steps`), each one program: the model's velocity at the
+  timestep with the adapter (None: the base model), with `guidance` embedded (`model.guidance`)
+  or classifier-free (the batch holds the pipeline's [uncond, cond] rows; x the cond half's
+  latents), then the scheduler's update (`solver`) in float32. Run as the model's runtime runs a
   forward pass (`Runtime.single_microbatch`: through a pipeline as one microbatch, or over
   unrolled layers as programs per block), each program jitted with `jit_options`."""
   family = model.family
   runtime = model.runtime.single_microbatch()
   cfg_mode = family.sampling.guidance_mode == "cfg"
+  solve = solver(scheduler_config(family, model.config, model_config), family.sampling.spacing)
   mc = copy.deepcopy(model_config)
   if not cfg_mode:
     mc.guidance = guidance
 
-  def step(adapter, params, batch, x, sigma, sigma_next):
+  def step(adapter, params, batch, state, timestep, coefficients):
+    x, history = state
     latents = jnp.concatenate([x, x]) if cfg_mode else x
-    t = jnp.full((latents.shape[0],), sigma, jnp.float32)
+    t = jnp.full((latents.shape[0],), timestep, jnp.float32)
     variables = {"params": params} if adapter is None else {"params": params, "lora": adapter}
     v = runtime.apply(model.module, variables,
                       **family.training_inputs(mc, model.config, batch, latents, t)).astype(jnp.float32)
     if cfg_mode:
       uncond, cond = jnp.split(v, 2)
       v = uncond + guidance * (cond - uncond)
-    return sequence.whole(x + (sigma_next - sigma) * v)  # as it came: the next step's input
+    return jax.tree.map(sequence.whole, solve.update(x, v, coefficients, history))  # as they came
   # A modulation reads its whole kernel for one row a step: computed ahead, it reads it once for
   # all the steps (BENCHMARKS.md#kernels: a modulation of 28 rows takes the time of one).
   loop = programs.ahead_of_calls(step, carried=3, varying=(4, 5), jit_options=jit_options)
-  return Steps(loop.values, runtime.compile(loop.call, jit_options))
+  return Steps(loop.values, runtime.compile(loop.call, jit_options), solve)
+
+
+@dataclasses.dataclass(frozen=True)
+class Expert:
+  """A further expert of a model of several (`Family.sampling_experts`): its params, adapter
+  (None: none) and steps (`step_fn` of its model and guidance), serving the steps whose timestep
+  is below `below` (the lowest timestep of the expert before it)."""
+  below: float
+  params: dict
+  adapter: Optional[dict]
+  step: Steps
 
 
 def denoise(model, params, adapter, model_config, conditioning: dict, noise, grid, steps: int,
             guidance: float, uncond: Optional[dict] = None, step: Optional[Steps] = None,
-            place=None, progress=None):
-  """Latents from `noise` [B, *latent_shape] (float32): `steps` Euler steps of the family's
-  pipeline for a latent `grid` (the encoders' `latent_grid`). `conditioning`: the cached text
-  fields of B prompts (and `position_ids`, where the family has them); `uncond`: the empty
-  prompt's, one row (classifier-free families); `step`: `step_fn`'s for this model_config and
-  guidance (by default made here, so compiled anew: pass one to reuse it); `place`: puts
-  the (numpy) batch and noise on the devices; `progress(i)` after each step."""
-  sampling = model.family.sampling
+            place=None, progress=None, experts: Sequence[Expert] = ()):
+  """Latents from `noise` [B, *latent_shape] (float32): `steps` steps of the family's pipeline
+  for a latent `grid` (the encoders' `latent_grid`). `conditioning`: the cached text fields of B
+  prompts (and `position_ids`, where the family has them); `uncond`: the negative prompt's, one
+  row (classifier-free families); `step`: `step_fn`'s for this model_config and guidance (by
+  default made here, so compiled anew: pass one to reuse it); `place`: puts the (numpy) batch and
+  noise on the devices; `progress(i)` after each step; `experts`: a model of several's further
+  ones, from high noise down (params, adapter and step serving the steps above the first's)."""
+  check_steps(steps)
   step = step or step_fn(model, model_config, guidance)
   place = place or (lambda tree: jax.tree.map(jnp.asarray, tree))
-  schedule = sigmas(scheduler_config(model.family, model.config, model_config), steps,
-                    int(np.prod(grid)), sampling.spacing)
-  if sampling.guidance_mode == "cfg":
+  timesteps, coefficients = step.solver.schedule(steps, int(np.prod(grid)))
+  if model.family.sampling.guidance_mode == "cfg":
     if uncond is None:
-      raise ValueError("classifier-free guidance needs the empty prompt's embeddings (uncond)")
+      raise ValueError("classifier-free guidance needs the negative prompt's embeddings (uncond)")
     n = len(noise)  # the pipeline's [uncond, cond] rows
     conditioning = {k: np.concatenate([np.broadcast_to(uncond[k], (n, *v.shape[1:])) if k in uncond
                                        else v, v]) for k, v in conditioning.items()}
   batch, x = place((conditioning, np.asarray(noise, np.float32)))
-  adapter = adapter and lora.in_dtype(adapter, model.module.dtype)  # converted once, not a step
-  ahead = step.ahead(adapter, params, batch, x, schedule[:-1], schedule[1:])
-  schedule = [jnp.asarray(s) for s in schedule]  # on the device once, not a copy a step
+  state = (x, tuple(jnp.zeros_like(x) for _ in range(step.solver.carries)))
+  serving = [Expert(np.inf, params, adapter, step), *experts]
+  expert_of_step = [sum(t < e.below for e in experts) for t in timesteps]
+  ahead = [None] * steps
+  for k, e in enumerate(serving):
+    own = [i for i in range(steps) if expert_of_step[i] == k]
+    if own:
+      serving[k] = e = dataclasses.replace(  # converted once, not a step
+          e, adapter=e.adapter and lora.in_dtype(e.adapter, model.module.dtype))
+      for i, values in zip(own, e.step.ahead(e.adapter, e.params, batch, state, timesteps[own],
+                                             coefficients[own])):
+        ahead[i] = values
+  # on the device once, not a copy a step
+  timesteps, coefficients = jnp.asarray(timesteps), jnp.asarray(coefficients)
   for i in range(steps):
-    x = step.step(ahead[i], adapter, params, batch, x, schedule[i], schedule[i + 1])
+    e = serving[expert_of_step[i]]
+    state = e.step.step(ahead[i], e.adapter, e.params, batch, state, timesteps[i], coefficients[i])
     if progress is not None:
       progress(i)
-  return x
+  return state[0]
 
 
 def prompt_lines(entries: Sequence[str]) -> list:
@@ -214,8 +409,8 @@ def with_positions(family, conditioning: dict, grid) -> dict:
 @dataclasses.dataclass
 class Prompts:
   """Sample prompts encoded once for one size: the text fields of each (`conditioning`, a row a
-  prompt) and of the empty prompt (`uncond`, classifier-free families), the media size and its
-  latent grid."""
+  prompt) and of the negative prompt (`uncond`, classifier-free families), the media size and
+  its latent grid."""
   texts: list
   conditioning: dict
   uncond: Optional[dict]
@@ -226,18 +421,23 @@ class Prompts:
 
 
 def encode_prompts(family, encoders, texts, frames, height, width, cache_dir=None,
-                   images=()) -> Prompts:
-  """`texts` encoded by the family's text encoders (loaded only if the cache lacks them), with
-  an image-to-video model's first frames (`images`, an image file per prompt) by its media
-  encoders, and with `cache_dir` kept there (keyed by the encoders' identity, the prompts, the
-  images' contents and the size), so a resumed run or another process reads them instead."""
+                   images=(), negative="") -> Prompts:
+  """`texts` (and a classifier-free family's `negative` prompt) encoded by the family's text
+  encoders (loaded only if the cache lacks them), with an image-to-video model's first frames
+  (`images`, an image file per prompt) by its media encoders, and with `cache_dir` kept there
+  (keyed by the encoders' identity, the prompts, the images' contents and the size), so a
+  resumed run or another process reads them instead."""
   frames, height, width = checked_size(encoders, frames, height, width)
   check_first_frames(encoders, len(texts), images)
   grid = tuple(encoders.latent_grid(frames, height, width))
   cfg_mode = family.sampling.guidance_mode == "cfg"
+  if negative and not cfg_mode:
+    raise UserError("sample_negative_prompt: this family's guidance is embedded in the model, "
+                    "not classifier-free against a negative prompt; leave it empty")
   contents = [media.content_hash(path) for path in images]
   key = hashlib.sha256(json.dumps([encoders.identity(), texts, frames, cfg_mode] + (
-      [contents, height, width] if images else [])).encode()).hexdigest()[:16]
+      [contents, height, width] if images else []) + ([negative] if negative else [])
+  ).encode()).hexdigest()[:16]
   path = cache_dir and os.path.join(cache_dir, f"{key}.npz")
   if path and os.path.isfile(path):
     with np.load(path) as f:
@@ -245,7 +445,7 @@ def encode_prompts(family, encoders, texts, frames, height, width, cache_dir=Non
   else:
     fields = {f"cond.{k}": v for k, v in encoders.encode_text(texts, frames).items()}
     if cfg_mode:
-      fields |= {f"uncond.{k}": v for k, v in encoders.encode_text([""], frames).items()}
+      fields |= {f"uncond.{k}": v for k, v in encoders.encode_text([negative], frames).items()}
     if images:  # the unconditional rows start from the same frame (`denoise`)
       fields |= {f"cond.{k}": v for k, v in encoders.first_frame_fields(
           first_frames(images, height, width), frames).items()}
@@ -259,10 +459,10 @@ def encode_prompts(family, encoders, texts, frames, height, width, cache_dir=Non
 
 
 def draw(model, params, adapter, model_config, prompts: Prompts, steps: int, guidance: float,
-         seed: int, rows: int = 1, step=None, place=None, progress=None) -> np.ndarray:
+         seed: int, rows: int = 1, step=None, place=None, progress=None, experts=()) -> np.ndarray:
   """Latents of every prompt [N, ...], `rows` prompts at a time (a multiple of the data axis:
   the last batch repeats its last prompt), prompt i from the noise of seed + i, whatever the
-  batching."""
+  batching (`experts`: `denoise`'s)."""
   n, out = len(prompts.texts), []
   step = step or step_fn(model, model_config, guidance)  # one program for every batch
   conditioning = with_positions(model.family, prompts.conditioning, prompts.grid)
@@ -271,7 +471,7 @@ def draw(model, params, adapter, model_config, prompts: Prompts, steps: int, gui
     latents = denoise(model, params, adapter, model_config,
                       {k: v[index] for k, v in conditioning.items()},
                       noise_for(model, prompts.grid, [seed + i for i in index]), prompts.grid, steps,
-                      guidance, prompts.uncond, step, place, progress)
+                      guidance, prompts.uncond, step, place, progress, experts)
     out.append(np.asarray(multihost_utils.process_allgather(latents, tiled=True))[:n - start])
   return np.concatenate(out)
 

@@ -222,6 +222,9 @@ SHARED = {
             isinstance(p, str) for p in v)),
         "an image-to-video model's samples: each prompt's first frame, an image a prompt in "
         "their order, resized and centre-cropped to the sample size"),
+    "sample_negative_prompt": Key(
+        "", TEXT, "a family with classifier-free guidance: what its samples are guided away from "
+        "(\"\": the empty prompt, the diffusers pipelines' default)"),
     "sample_every_n_epochs": Key(0, integer(0), "samples every this many epochs (0: off)"),
     "sample_every_n_steps": Key(0, integer(0), "samples every this many steps (0: off)"),
     "sample_steps": Key(

@@ -68,7 +68,7 @@ def encode_sample_prompts(config, family, encoders, size):
   processes)."""
   return sampling.encode_prompts(family, encoders, sampling.prompt_lines(config.sample_prompts), *size,
                                  cache_dir=os.path.join(config.output_dir, ".sample_prompts"),
-                                 images=config.sample_images)
+                                 images=config.sample_images, negative=config.sample_negative_prompt)
 
 
 def split_cost(split, balanced) -> str:

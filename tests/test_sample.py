@@ -1,6 +1,7 @@
-"""Sampling: each family's Euler sampler equals its diffusers pipeline (with a LoRA in both), and
+"""Sampling: each family's sampler equals its diffusers pipeline (with a LoRA in both), and
 the sampling command runs end to end."""
 import contextlib
+import dataclasses
 import os
 
 import diffusers
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from conftest import FAMILIES, diffusers_hidden_size, family_config, jaxpr_equations, load_encoders
-from tolerances import LORA_PARITY, assert_close, rel_err
+from tolerances import FLOAT32_REORDERING, LORA_PARITY, assert_close, rel_err
+from diffpipe_jax.errors import UserError
 from diffpipe_jax import family as family_lib, lora, models, programs, runtime, sample, sampling, sharding
 
 # a size of a few latent tokens per family: (frames, height, width) in pixels
@@ -31,14 +33,21 @@ def pipeline_folder(request, tiny_pipelines):
   return request.param, tiny_pipelines(request.param)
 
 
-def test_sigmas_are_the_schedulers(pipeline_folder):
-  """Ours against FlowMatchEulerDiscreteScheduler.set_timesteps on the family's released config
-  (the tiny pipeline's scheduler may differ), at two sizes."""
+def released_scheduler(released: dict):
+  """The diffusers scheduler that a released scheduler config names."""
+  name = released.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+  return getattr(diffusers, name)(**{k: v for k, v in released.items() if k != "_class_name"})
+
+
+def test_schedules_are_the_schedulers(pipeline_folder):
+  """Our timesteps and sigmas against the set_timesteps of the scheduler of the family's released
+  config (the tiny pipeline's scheduler may differ), at two sizes."""
   name, folder = pipeline_folder
   fam = family_lib.get(name)
   cfg = models.checkpoint_config(name, fam.checkpoint_path(tiny_model_config(name, folder)))
   released = fam.sampling.scheduler(cfg)
-  scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**released)
+  scheduler = released_scheduler(released)
+  solver = sampling.solver(released, fam.sampling.spacing)
   for steps, tokens in ((7, 300), (28, 4096)):
     base = {"1/N": np.linspace(1.0, 1 / steps, steps), "0": np.linspace(1.0, 0.0, steps + 1)[:-1],
             "scheduler": None}[fam.sampling.spacing]  # (none passed: the scheduler's own)
@@ -46,8 +55,41 @@ def test_sigmas_are_the_schedulers(pipeline_folder):
           / (released["max_image_seq_len"] - released["base_image_seq_len"]) + released["base_shift"]
           if released.get("use_dynamic_shifting") else None)
     scheduler.set_timesteps(steps, sigmas=base, mu=mu)
-    np.testing.assert_allclose(sampling.sigmas(released, steps, tokens, fam.sampling.spacing),
-                               scheduler.sigmas.numpy(), rtol=1e-6, atol=1e-7)
+    timesteps, coefficients = solver.schedule(steps, tokens)
+    np.testing.assert_allclose(coefficients[:, 0], scheduler.sigmas.numpy()[:-1], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(timesteps * 1000, scheduler.timesteps.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("settings", [
+    {}, dict(solver_order=3, flow_shift=5.0), dict(lower_order_final=False, final_sigmas_type="sigma_min"),
+    dict(disable_corrector=[1, 3], solver_order=1)], ids=str)
+def test_unipc_steps_are_the_schedulers(settings):
+  """UniPC's steps from precomputed coefficients (`sampling.unipc_update`) against
+  UniPCMultistepScheduler.step over flow sigmas, with the velocity of a fixed nonlinear function
+  of the latents and the timestep, for several orders and options and step counts."""
+  released = dict(_class_name="UniPCMultistepScheduler", prediction_type="flow_prediction",
+                  use_flow_sigmas=True, **{"flow_shift": 3.0, **settings})
+  scheduler, solver = released_scheduler(released), sampling.solver(released, "scheduler")
+  rng = np.random.default_rng(0)
+  x0, w = rng.standard_normal((2, 3, 4)).astype(np.float32), rng.standard_normal((4, 4)).astype(np.float32)
+  velocity = lambda x, t: np.tanh(x @ w) * (1 + t / 1000)
+  for steps in (1, 2, 6, 13):
+    scheduler.set_timesteps(steps)
+    want = torch.from_numpy(x0)
+    for t in scheduler.timesteps:
+      want = scheduler.step(torch.from_numpy(velocity(want.numpy(), float(t))), t, want).prev_sample
+    timesteps, coefficients = solver.schedule(steps, 100)
+    x, history = jnp.asarray(x0), (jnp.zeros_like(x0),) * solver.carries
+    for t, row in zip(timesteps, coefficients):
+      x, history = solver.update(x, jnp.asarray(velocity(np.asarray(x), float(t) * 1000)), row, history)
+    assert_close(x, want.numpy(), bound=FLOAT32_REORDERING)
+
+
+def test_unsupported_schedulers_are_refused():
+  with pytest.raises(UserError, match="DDIMScheduler is not supported"):
+    sampling.solver(dict(_class_name="DDIMScheduler"), "scheduler")
+  with pytest.raises(UserError, match="'prediction_type': 'epsilon'"):
+    sampling.solver(dict(_class_name="UniPCMultistepScheduler", use_flow_sigmas=True), "scheduler")
 
 
 def pipeline_kwargs(fam, conditioning, uncond):
@@ -136,8 +178,9 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
 
   scanned = models.load(name, path, progress=False)
   steps = sampling.step_fn(scanned, model_config, 4.0)
-  latents = draw(scanned, sampling.Steps(record(steps.ahead), record(steps.step)))
-  (_, params, rows, x, *_), step_args = calls[:2]
+  recorded = lambda steps: dataclasses.replace(steps, ahead=record(steps.ahead), step=record(steps.step))
+  latents = draw(scanned, recorded(steps))
+  (_, params, rows, (x, _), *_), step_args = calls[:2]
   marked = lambda closed: sum(e.params.get("name") == programs.AHEAD
                               for e in jaxpr_equations(closed.jaxpr))
   latents_of_rows = np.concatenate([x] * (len(rows["text"]) // len(x)))
@@ -151,7 +194,7 @@ def test_the_modulations_are_computed_ahead_of_the_steps(tiny_model):
   unrolled = models.load(name, path, runtime=runtime.Runtime.of(placement), placement=placement,
                          progress=False)
   per_block = sampling.step_fn(unrolled, model_config, 4.0)
-  assert_close(draw(unrolled, sampling.Steps(record(per_block.ahead), record(per_block.step))), latents)
+  assert_close(draw(unrolled, recorded(per_block)), latents)
   # ... whose layers still share their stack's program
   forward = lambda p: unrolled.runtime.apply(unrolled.module, {"params": p}, **fam.training_inputs(
       model_config, cfg, rows, latents_of_rows, jnp.ones(len(latents_of_rows))))
@@ -226,6 +269,8 @@ def test_the_sampling_command_draws_with_loras(tmp_path, tiny_models, monkeypatc
   assert np.abs(pixels["one.jpg"].astype(int) - pixels["base.png"]).max() > 2
   with pytest.raises(UserError, match="^--lora missing.safetensors does not exist$"):
     draw("odd.png", "missing.safetensors")
+  with pytest.raises(UserError, match="^--lora_2 is for the second expert of a checkpoint of two"):
+    sample.run(config, [], ["a red pattern"], str(tmp_path / "odd.png"), loras_2=[path])
 
 
 def test_out_is_a_folder_or_a_file_in_its_format_and_one_that_cannot_hold_the_samples_is_one_line(tmp_path):
@@ -300,3 +345,14 @@ def test_decoding_short_of_gpu_memory_tiles_then_moves_to_the_cpu(pipeline_folde
   failures[0] = 3
   with pytest.raises(torch.OutOfMemoryError):
     enc.decode(latents, grid)  # no third way: the error stands
+
+
+def test_the_negative_prompt_is_the_unconditional_row(tiny_pipelines):
+  fam, folder = family_lib.get("wan"), tiny_pipelines("wan")
+  encoders = load_encoders("wan", folder)
+  prompts = sampling.encode_prompts(fam, encoders, ["blue"], *SIZES["wan"], negative="blurry, static")
+  np.testing.assert_array_equal(prompts.uncond["text"], encoders.encode_text(["blurry, static"])["text"])
+  assert not np.array_equal(prompts.uncond["text"], encoders.encode_text([""])["text"])
+  with pytest.raises(UserError, match="sample_negative_prompt: this family's guidance is embedded"):
+    sampling.encode_prompts(family_lib.get("flux"), load_encoders("flux", tiny_pipelines("flux")),
+                            ["blue"], *SIZES["flux"], negative="blurry")

@@ -172,12 +172,13 @@ def test_a_folder_of_another_original_model_is_refused(t2v, tmp_path):
 def a14b(tmp_path_factory):
   """A tiny Wan 2.2 A14B folder: two experts (`transformer` for high noise, `transformer_2` for
   low) and the boundary in its model_index.json, as WanPipeline saves them."""
-  from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+  from diffusers import UniPCMultistepScheduler, WanPipeline
   root = str(tmp_path_factory.mktemp("a14b"))
   tokenizer = tiny.t5_tokenizer()
+  released = {k: v for k, v in wan.RELEASED_SCHEDULER.items() if k != "_class_name"}
   WanPipeline(tokenizer=tokenizer, text_encoder=tiny.umt5_encoder(tokenizer, 20), vae=wan_torch.build_tiny_vae(),
               transformer=wan_torch.build_tiny(seed=5), transformer_2=wan_torch.build_tiny(seed=6),
-              scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), boundary_ratio=0.875).save_pretrained(root)
+              scheduler=UniPCMultistepScheduler(**released), boundary_ratio=0.875).save_pretrained(root)
   return root
 
 
@@ -213,6 +214,53 @@ def test_an_a14b_expert_is_one_transformer_on_its_side_of_the_boundary(a14b, tmp
   model = models.load("wan", wan.checkpoint_path(low), progress=False)
   inputs = wan.random_inputs(model.config, 1, 1, 2, 2, seed=3)
   assert_close(model(**inputs), torch_forward(wan_torch.build_tiny(seed=6), inputs))
+
+
+def test_a14b_samples_switch_experts_at_the_boundary_as_wan_pipeline(a14b, tmp_path):
+  """With no model.expert, samples of an A14B folder take the high-noise expert for the steps at
+  t >= boundary_ratio and the low-noise one below, each with its own LoRA (the sampling
+  command's --lora and --lora_2): the latents equal WanPipeline's with both transformers and
+  the LoRAs loaded into each."""
+  import jax
+  from diffusers import WanPipeline
+  from tolerances import LORA_PARITY
+  from diffpipe_jax import lora, sampling
+  config = a14b_config(a14b)
+  (high_config, boundary), (low_config, below) = wan.FAMILY.sampling_experts(config)
+  assert (boundary, below, high_config.expert, low_config.expert) == (0.875, 0.0, "high_noise", "low_noise")
+  assert wan.FAMILY.sampling_experts(a14b_config(a14b, expert="low_noise")) == ()
+  high, low = (models.load("wan", wan.checkpoint_path(c), progress=False) for c in (high_config, low_config))
+  adapters = []
+  for seed, model in enumerate((high, low)):
+    adapter = lora.init(model.params, wan.FAMILY.lora_targets, 4, jnp.float32, jax.random.key(seed))
+    leaves, tree = jax.tree.flatten(adapter)
+    adapters.append(jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(jax.random.key(seed * 100 + i), x.shape)
+                                              for i, x in enumerate(leaves)]))
+  encoders = wan_torch.TORCH_SIDE.load_encoders(high_config, device="cpu")
+  frames, height, width, steps, guidance = 5, 32, 48, 8, 4.5
+  grid = encoders.latent_grid(frames, height, width)
+  conditioning, uncond = encoders.encode_text(["a red pattern"], frames), encoders.encode_text([""], frames)
+  noise = np.random.default_rng(0).standard_normal((1, *wan.SAMPLING.latent_shape(high.config, grid)))
+  step = sampling.step_fn(high, config, guidance)
+  timesteps, _ = step.solver.schedule(steps, 0)
+  assert (timesteps >= boundary).any() and (timesteps < boundary).any()  # both experts serve
+  ours = sampling.denoise(high, high.params, adapters[0], config, conditioning, noise, grid, steps, guidance,
+                          uncond, step, experts=[sampling.Expert(boundary, low.params, adapters[1], step)])
+
+  pipe = WanPipeline.from_pretrained(a14b)
+  high_file, low_file = (lora.save(adapter, str(tmp_path / name), wan.FAMILY, 4, np.float32)
+                         for adapter, name in zip(adapters, ("high", "low")))
+  pipe.load_lora_weights(high_file)
+  pipe.load_lora_weights(low_file, load_into_transformer_2=True)
+  with torch.no_grad():
+    want = pipe(prompt_embeds=torch.from_numpy(conditioning["text"]),
+                negative_prompt_embeds=torch.from_numpy(uncond["text"]), latents=torch.from_numpy(noise).float(),
+                height=height, width=width, num_frames=frames, num_inference_steps=steps,
+                guidance_scale=guidance, output_type="latent", return_dict=False)[0].numpy()
+  assert_close(ours, want, bound=LORA_PARITY)
+  one_expert = sampling.denoise(high, high.params, adapters[0], config, conditioning, noise, grid, steps,
+                                guidance, uncond, step)
+  assert rel_err(one_expert, want) > 1e-3  # the switch matters
 
 
 def test_ti2v_first_frame_conditioning():

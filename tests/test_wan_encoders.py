@@ -130,9 +130,9 @@ def test_missing_folders_name_the_key_to_set(pipeline, tmp_path):
 
 
 def test_the_tiny_pipeline_runs_in_wan_pipeline(pipe):
-  """Its scheduler is flow-matching Euler at the released shift, which our sampler reads."""
-  assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
-  assert pipe.scheduler.config.shift == wan.FLOW_SHIFT == 3.0
+  """Its scheduler is the released one (UniPC over flow sigmas at shift 3), which our sampler reads."""
+  assert type(pipe.scheduler).__name__ == "UniPCMultistepScheduler"
+  assert pipe.scheduler.config.flow_shift == 3.0 and pipe.scheduler.config.use_flow_sigmas
   video = pipe("a red pattern", num_inference_steps=1, height=16, width=32, num_frames=5,
                output_type="np").frames
   assert video.shape == (1, 5, 16, 32, 3) and np.isfinite(video).all()

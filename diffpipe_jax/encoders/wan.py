@@ -267,7 +267,6 @@ TINY_VAE = dict(base_dim=8, z_dim=TINY_Z, dim_mult=[1, 2, 3, 3], num_res_blocks=
 TINY_VAE_22 = dict(base_dim=8, decoder_base_dim=12, z_dim=48, dim_mult=[1, 2, 2, 2],
                    num_res_blocks=2, temperal_downsample=[False, True, True], is_residual=True,
                    patch_size=2, in_channels=12, out_channels=12, scale_factor_spatial=16)
-FLOW_SHIFT = 3.0  # the released schedulers' flow_shift (diffusers' default for Wan, the 480p one)
 
 
 def build_tiny(seed=0, **overrides):
@@ -394,18 +393,19 @@ TINY_CLIP = dict(hidden_size=TINY_I2V["image_dim"], intermediate_size=40, num_hi
 
 def write_tiny_pipeline(root, seed=0, kind=""):
   """Writes a complete tiny Wan pipeline folder with the real classes (transformer, VAE, UMT5,
-  tokenizer, the flow-matching Euler scheduler at the released shift), for caching and
+  tokenizer, the released UniPC scheduler), for caching and
   end-to-end tests: `kind` "" a 2.1 T2V `WanPipeline`; "i2v" a 2.1 I2V
   `WanImageToVideoPipeline` (with a CLIP vision encoder and its image processor); "ti2v" a
   2.2 TI2V 5B `WanPipeline` (the 2.2 VAE, per-token timesteps). Returns root."""
-  from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
+  from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
   overrides = dict(zip(TINY_KINDS, ({}, TINY_I2V, TINY_TI2V)))[kind]
   transformer, vae = build_tiny(seed, **overrides), build_tiny_vae(seed + 1, wan22=kind == "ti2v")
   assert transformer.config.out_channels == vae.config.z_dim
   tokenizer = tiny.t5_tokenizer()
   parts = dict(tokenizer=tokenizer, vae=vae, transformer=transformer,
                text_encoder=tiny.umt5_encoder(tokenizer, transformer.config.text_dim, seed + 2),
-               scheduler=FlowMatchEulerDiscreteScheduler(shift=FLOW_SHIFT))
+               scheduler=UniPCMultistepScheduler(**{
+                   k: v for k, v in wan_model.RELEASED_SCHEDULER.items() if k != "_class_name"}))
   if kind == "i2v":
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
     side = TINY_CLIP["image_size"]

@@ -433,6 +433,23 @@ def shift_timesteps(model_config, t, latents):
   return t if side is None else side[0] + (side[1] - side[0]) * t
 
 
+def sampling_experts(model_config) -> tuple:
+  """A Wan 2.2 A14B folder with no model.expert: both experts, switched as WanPipeline does (the
+  high-noise one for t >= boundary_ratio); () for any other checkpoint."""
+  mc = model_config
+  if mc.expert or mc.transformer_path or mc.ckpt_path or not mc.diffusers_path:
+    return ()
+  boundary = expert_boundary(mc.diffusers_path)
+  if boundary is None:
+    return ()
+
+  def picked(expert):
+    config = mc.copy_and_resolve_references()
+    config.expert = expert
+    return config
+  return ((picked("high_noise"), boundary), (picked("low_noise"), 0.0))
+
+
 def frame_rate(cfg: WanConfig) -> int:
   """The frame rate the model was trained at: 24 fps for the 2.2 TI2V 5B, 16 for the others."""
   return 24 if first_frame_input(cfg) == "clean" else 16
@@ -483,11 +500,13 @@ def condition(model_config, cfg: WanConfig, key, batch, noisy, t):
   return noisy, jnp.where(clean_tokens, 0.0, t[:, None]), kept
 
 
-# WanPipeline's: classifier-free guidance 5 against the negative (here the empty) prompt; the
-# released schedulers' flow shift for 480p, 3 (UniPC there, its Euler form here), and no sigmas
-# passed to the scheduler
+# The released diffusers folders' scheduler (model_index.json's): UniPC over flow sigmas at the
+# 480p flow shift, 3 (a folder's own config wins); WanPipeline's classifier-free guidance 5
+# against the negative prompt, and no sigmas passed to the scheduler
+RELEASED_SCHEDULER = dict(_class_name="UniPCMultistepScheduler", prediction_type="flow_prediction",
+                          use_flow_sigmas=True, flow_shift=3.0)
 SAMPLING = Sampling(
-    scheduler=lambda cfg: dict(shift=3.0), spacing="scheduler", guidance_mode="cfg", steps=50,
+    scheduler=lambda cfg: RELEASED_SCHEDULER, spacing="scheduler", guidance_mode="cfg", steps=50,
     guidance=5.0, latent_shape=lambda cfg, grid: (cfg.out_channels, *grid))
 
 
@@ -540,5 +559,6 @@ FAMILY = Family(
     training_inputs=training_inputs,
     condition=condition,
     sampling=SAMPLING,
+    sampling_experts=sampling_experts,
     torch_side="diffpipe_jax.encoders.wan",
 )
