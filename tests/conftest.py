@@ -159,9 +159,12 @@ def transformers_log():
 
 
 def load_encoders(name, pipeline, **options):
-  """The family's encoders of a tiny pipeline folder, on the CPU."""
+  """The family's encoders of a tiny pipeline folder, on the CPU; `options` of the model config
+  (its keys) go there, the rest to the encoders."""
   model_config = family_config(name).model
   model_config.diffusers_path = pipeline
+  for key in set(options) & set(model_config):
+    model_config[key] = options.pop(key)
   return family_lib.torch_side(family_lib.get(name)).load_encoders(model_config, device="cpu", **options)
 
 

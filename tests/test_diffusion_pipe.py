@@ -122,6 +122,13 @@ def test_a_refused_key_is_one_line_naming_it_and_what_to_do(in_tmp, toml, messag
   assert message in error and "\n" not in error, error
 
 
+def test_wans_files_map_to_their_keys(in_tmp):
+  """A Wan TOML's Wan-AI folder and ComfyUI UMT5 file (diffusion-pipe's keys) are ours."""
+  config, _ = translated(in_tmp, model_type="wan",
+                         model="ckpt_path = 'Wan2.1-T2V-14B'\nllm_path = 'umt5_xxl_fp16.safetensors'")
+  assert (config.model.ckpt_path, config.model.llm_path) == ("Wan2.1-T2V-14B", "umt5_xxl_fp16.safetensors")
+
+
 def test_every_refusal_is_reported_at_once(in_tmp):
   error = refusal(in_tmp, top="compile = true\nzero_optimization = 2", adapter="alpha = 4")
   assert error.startswith("3 problems:") and len(error.splitlines()) == 4, error

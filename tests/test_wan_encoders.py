@@ -3,6 +3,7 @@ own (its VAE and latent normalisation; `encode_prompt` with its prompt cleaning,
 zeros after each prompt), the tiny pipeline runs in WanPipeline, and every format we write
 (diffusers, Wan-AI's original folder, ComfyUI's files: our inversion of diffusers' converter)
 reads back to the diffusers model through diffusers' own `convert_wan_transformer_to_diffusers`."""
+import copy
 import json
 import os
 
@@ -13,6 +14,7 @@ import torch
 from diffusers import WanPipeline, WanTransformer3DModel
 from diffusers.loaders import single_file_utils
 
+from conftest import load_encoders
 from tolerances import assert_close
 from diffpipe_jax import sampling, tiny
 from diffpipe_jax.convert.tensorfile import open_tensor_file
@@ -64,7 +66,7 @@ def test_the_vae_factors_come_from_the_configs(encoders):
   # the 2.2 TI2V's VAE: 16x spatial, so 32-pixel multiples with the transformer's 2x2 patches
   vae_config = wan.build_tiny_vae(wan22=True).config
   wan22 = WanEncoders("", "cpu", torch.float32, {}, 24, vae_config,
-                      wan_model.WanConfig(in_channels=48, out_channels=48))
+                      wan_model.WanConfig(in_channels=48, out_channels=48), {})
   assert (wan22.pixel_multiple, wan22.frames_per_latent) == (32, 4)
   assert wan22.latent_grid(9, 64, 96) == (3, 4, 6)
 
@@ -168,6 +170,11 @@ def i2v_pipeline(tmp_path_factory):
   return wan.write_tiny_pipeline(str(tmp_path_factory.mktemp("wan_i2v")), kind="i2v")
 
 
+@pytest.fixture(scope="module")
+def ti2v_pipeline(tmp_path_factory):
+  return wan.write_tiny_pipeline(str(tmp_path_factory.mktemp("wan_ti2v")), kind="ti2v")
+
+
 @pytest.mark.parametrize("frames", [9, 1])
 def test_i2v_fields_are_what_the_i2v_pipeline_gives_its_transformer(i2v_pipeline, frames):
   """An I2V transformer's cache: the condition channels (our mask beside the first frame's
@@ -208,10 +215,10 @@ def test_an_i2v_folder_without_its_image_encoder_names_it(i2v_pipeline, tmp_path
     WanEncoders.load(str(tmp_path))
 
 
-def test_the_ti2v_pipeline_runs_in_wan_pipeline(tmp_path):
+def test_the_ti2v_pipeline_runs_in_wan_pipeline(ti2v_pipeline):
   """The tiny 2.2 TI2V 5B: the 2.2 VAE's 48 channels, per-token timesteps (`expand_timesteps`);
   its cache holds latents and text only, its first frame being its clip's first latent frame."""
-  root = wan.write_tiny_pipeline(str(tmp_path), kind="ti2v")
+  root = ti2v_pipeline
   pipe = WanPipeline.from_pretrained(root)
   assert pipe.config.expand_timesteps and pipe.vae.config.z_dim == 48
   video = pipe("a red pattern", num_inference_steps=1, height=32, width=64, num_frames=5,
@@ -343,3 +350,144 @@ def test_i2v_samples_are_the_i2v_pipelines(i2v_pipeline, tmp_path):
     sampling.check_first_frames(encoders, 1, ())
   with pytest.raises(UserError, match="this model takes no first frame"):
     sampling.check_first_frames(WanEncoders.load(wan.write_tiny_pipeline(str(tmp_path / "t2v"))), 1, paths[:1])
+
+
+# ---- Wan-AI's folder and ComfyUI's UMT5 file ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def original(pipeline, tmp_path_factory):
+  """Wan-AI's folder of the tiny T2V pipeline's weights, and its encoders. A tiny VAE's 9
+  channels have no released statistics: the pipeline's stand in for them while they load."""
+  folder = wan.write_tiny_original(pipeline, str(tmp_path_factory.mktemp("Wan2.1-T2V-tiny")))
+  stats = {k: wan.read_vae_config(f"{pipeline}/vae")[k] for k in ("latents_mean", "latents_std")}
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setitem(wan.LATENT_STATISTICS, wan.TINY_Z, stats)
+    encoders = load_encoders(FAMILY, "", ckpt_path=folder)
+  yield folder, encoders
+  encoders.release()
+
+
+CAPTIONS = ["a red pattern", LONG, "", "  a &amp;amp; red\n\n pattern "]
+
+
+def test_wan_ai_names_are_wans_own(original, pipe):
+  """The files hold Wan's names (Wan2.1 `wan/modules/t5.py` and `vae.py`), so a table that
+  merely round-trips fails here; the VAE's agree with diffusers' own converter where it applies
+  (the released stage multipliers: it places one shortcut only)."""
+  folder, _ = original
+  t5 = torch.load(f"{folder}/{wan.ORIGINAL_T5}", weights_only=True)
+  assert {"token_embedding.weight", "blocks.0.norm1.weight", "blocks.0.attn.q.weight",
+          "blocks.2.attn.o.weight", "blocks.1.pos_embedding.embedding.weight",
+          "blocks.0.norm2.weight", "blocks.0.ffn.gate.0.weight", "blocks.0.ffn.fc1.weight",
+          "blocks.2.ffn.fc2.weight", "norm.weight"} <= set(t5)
+  assert len(t5) == len(pipe.text_encoder.state_dict()) - 1  # the tied embedding once
+  np.testing.assert_array_equal(t5["blocks.0.ffn.gate.0.weight"].numpy(),
+                                pipe.text_encoder.encoder.block[0].layer[1].DenseReluDense.wi_0.weight.detach().numpy())
+  vae = torch.load(f"{folder}/Wan2.1_VAE.pth", weights_only=True)
+  assert {"conv1.weight", "conv2.bias", "encoder.conv1.weight", "encoder.downsamples.0.residual.0.gamma",
+          "encoder.downsamples.2.resample.1.weight", "encoder.downsamples.5.time_conv.weight",
+          "encoder.middle.1.to_qkv.weight", "encoder.head.2.weight", "decoder.middle.2.residual.6.bias",
+          "decoder.upsamples.3.resample.1.weight", "decoder.upsamples.3.time_conv.weight",
+          "decoder.upsamples.4.shortcut.weight", "decoder.head.0.gamma"} <= set(vae)
+  from diffusers import AutoencoderKLWan
+  released_stages = tiny.build(AutoencoderKLWan, 0, **dict(wan.TINY_VAE, dim_mult=[1, 2, 4, 4]))
+  theirs = single_file_utils.convert_wan_vae_to_diffusers(
+      {k: torch.from_numpy(v) for k, v in wan.original_vae(released_stages).items()})
+  assert_same_tensors({k: v.numpy() for k, v in theirs.items()}, tiny.state_dict_numpy(released_stages))
+
+
+def test_wan_ai_folder_encodes_as_the_diffusers_folder(original, encoders):
+  folder, ours = original
+  assert ours.sources == {"vae": f"{folder}/Wan2.1_VAE.pth", "tokenizer": f"{folder}/google/umt5-xxl",
+                          "text_encoder": f"{folder}/{wan.ORIGINAL_T5}"}
+  np.testing.assert_array_equal(ours.encode_text(CAPTIONS)["text"], encoders.encode_text(CAPTIONS)["text"])
+  pixels = clips(5)
+  got, want = ours.encode_fields(pixels), encoders.encode_fields(pixels)
+  assert list(got) == ["latents"]
+  assert_close(got["latents"], want["latents"])
+  assert ours.identity() != encoders.identity()  # the files read are its fingerprint
+
+
+def test_wan22_folder_reads_the_22_vae(ti2v_pipeline, tmp_path):
+  """The TI2V 5B's folder: Wan2.2_VAE.pth (residual stages, 2x2 pixel patches, 48 channels with
+  the released statistics), chosen by the transformer's 48 channels."""
+  folder = wan.write_tiny_original(ti2v_pipeline, str(tmp_path / "Wan2.2-TI2V-tiny"))
+  vae = torch.load(f"{folder}/Wan2.2_VAE.pth", weights_only=True)
+  assert {"encoder.downsamples.0.downsamples.1.residual.3.gamma",
+          "encoder.downsamples.0.downsamples.2.resample.1.weight",
+          "encoder.downsamples.1.downsamples.2.time_conv.weight",
+          "decoder.upsamples.0.upsamples.3.resample.1.weight",
+          "decoder.upsamples.0.upsamples.3.time_conv.weight",
+          "decoder.upsamples.3.upsamples.2.residual.6.weight"} <= set(vae)
+  ours, theirs = WanEncoders.load(ckpt_path=folder), WanEncoders.load(ti2v_pipeline)
+  assert ours.vae_config == {k: v for k, v in theirs.vae_config.items() if not k.startswith("_")}
+  pixels = clips(5, 32, 64, batch=1)
+  assert_close(ours.encode_fields(pixels)["latents"], theirs.encode_fields(pixels)["latents"])
+  np.testing.assert_array_equal(ours.encode_text(CAPTIONS[:2])["text"], theirs.encode_text(CAPTIONS[:2])["text"])
+
+
+def rounded(tensors, float8):
+  """A UMT5's tensors as ComfyUI's file keeps them, back in float32: float16, or float8 times
+  the per-tensor scale for the blocks' Linear weights (`save_comfyui_umt5`)."""
+  out = {}
+  for key, value in tensors.items():
+    if float8 and key.startswith("encoder.block.") and value.ndim == 2 and "relative" not in key:
+      scale = np.float32(np.abs(value).max() / 448.0)
+      out[key] = (value / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+    else:
+      out[key] = value.astype(np.float16).astype(np.float32)
+  return out
+
+
+@pytest.mark.parametrize("float8, prefix", [(False, "encoder."), (False, ""), (True, "encoder.")])
+def test_llm_path_is_comfyuis_umt5_file(pipeline, encoders, pipe, tmp_path, float8, prefix):
+  """model.llm_path wins over the folders' text encoder: its tensors (the `encoder.` prefix
+  left out or not) are the weights rounded as stored, float8 ones times their scale, and its
+  embeddings are those of the diffusers UMT5 given those weights. Against the unrounded
+  weights' embeddings, the rounding through the tiny random model's three layers measures
+  2e-3 for float16 (2^-11 a weight) and 0.18 for e4m3 (3 mantissa bits: up to 2^-4 a weight)."""
+  path = wan.save_comfyui_umt5(pipe.text_encoder, str(tmp_path / "umt5_xxl.safetensors"), float8, prefix)
+  weights = rounded(tiny.state_dict_numpy(pipe.text_encoder), float8)
+  assert_same_tensors({k: v.float().numpy() for k, v in wan.umt5_tensors(path).items()}, weights)
+  ours = load_encoders(FAMILY, pipeline, llm_path=path)
+  assert ours.sources["text_encoder"] == path and ours.sources["tokenizer"] == f"{pipeline}/tokenizer"
+  reference = load_encoders(FAMILY, pipeline)
+  reference.tokenizer, reference.umt5 = encoders.tokenizer, copy.deepcopy(pipe.text_encoder)
+  reference.umt5.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+  got = ours.encode_text(CAPTIONS)["text"]
+  assert_close(got, reference.encode_text(CAPTIONS)["text"])
+  assert_close(got, encoders.encode_text(CAPTIONS)["text"], bound=0.3 if float8 else 5e-3)
+  assert ours.identity() != encoders.identity()
+
+
+def test_missing_wan_ai_files_and_clip_are_one_line_errors(original, i2v_pipeline, tmp_path, monkeypatch):
+  folder, _ = original
+  def refusal(**keys):
+    with pytest.raises(UserError) as e:
+      WanEncoders.load(**keys)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+  assert refusal(ckpt_path=str(tmp_path / "nope")).startswith(
+      f"model.ckpt_path {tmp_path}/nope does not exist: set it to Wan-AI's folder")
+  partial = tmp_path / "partial"
+  partial.mkdir()
+  for name in os.listdir(folder):
+    if name != wan.ORIGINAL_T5:
+      os.symlink(f"{folder}/{name}", partial / name)
+  assert refusal(ckpt_path=str(partial)).startswith(
+      f"{partial} lacks ['{wan.ORIGINAL_T5}']: model.ckpt_path must be Wan-AI's folder")
+  assert refusal(ckpt_path=str(partial), llm_path=str(tmp_path / "x.safetensors")).startswith(
+      "model.llm_path")
+  assert refusal(llm_path=f"{folder}/{wan.ORIGINAL_T5}").startswith("caching needs model.diffusers_path")
+  # the tiny VAE's 9 channels: no released Wan VAE has their statistics
+  assert "a VAE of 9 latent channels, whose latent statistics no released Wan VAE has" in refusal(
+      ckpt_path=folder)
+  i2v = wan.write_tiny_original(i2v_pipeline, str(tmp_path / "Wan2.1-I2V-tiny"))
+  assert refusal(ckpt_path=i2v).startswith("this Wan I2V model attends to CLIP image states, whose "
+                                           "encoder loads from a diffusers folder only: set "
+                                           "model.diffusers_path")
+  # with the diffusers I2V folder beside it, CLIP comes from there
+  stats = {k: wan.read_vae_config(f"{i2v_pipeline}/vae")[k] for k in ("latents_mean", "latents_std")}
+  monkeypatch.setitem(wan.LATENT_STATISTICS, wan.TINY_Z, stats)
+  assert WanEncoders.load(i2v_pipeline, ckpt_path=i2v).sources["image_encoder"] == f"{i2v_pipeline}/image_encoder"

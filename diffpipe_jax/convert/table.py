@@ -170,6 +170,12 @@ def single_file_parts(keys, rows: Sequence[Row]) -> Dict[str, Tuple[Tuple[str, .
   return out
 
 
+def part_names(keys, rows: Sequence[Row]) -> Dict[str, Tuple[str, ...]]:
+  """Keys named by the rows' fused modules -> {key: its part keys}: `single_file_parts` from the
+  other side, by names alone; keys no row names are left out."""
+  return {single: parts for single, parts, _ in _expand(rows, keys, "single")}
+
+
 def to_single_file(tensors: Mapping[str, np.ndarray], rows: Sequence[Row]) -> Dict[str, np.ndarray]:
   """Tensors named by the rows' parts (torch order) -> named by their fused modules (diffusers
   -> BFL for Flux, diffusers -> Tencent for HunyuanVideo): the inverse of `row_sources`."""

@@ -58,6 +58,16 @@ def folder_files(path):
           if os.path.isfile(full)]
 
 
+def find_source(keys, rows):
+  """The first (key, folder or file) of `rows` ((config key, subpath), ...) that exists, `keys`
+  being the config's values of those keys; None if none does."""
+  for key, sub in rows:
+    path = os.path.join(keys[key], sub) if keys[key] and sub else keys[key]
+    if path and os.path.exists(path):
+      return key, path
+  return None
+
+
 class Encoders:
   """One model family's frozen encoders, loaded on first use: a cache that is already complete
   never loads them. Subclasses set `components` (diffusers subfolder -> (attribute, class)) and

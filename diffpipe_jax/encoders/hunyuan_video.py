@@ -13,7 +13,7 @@ import numpy as np
 from diffpipe_jax import tiny
 from diffpipe_jax.convert.tensorfile import (TORCH_PICKLE_SUFFIXES, common_prefix, open_tensor_file,
                                              torch_state_dict, write_safetensors)
-from diffpipe_jax.encoders import Encoders, default_device
+from diffpipe_jax.encoders import Encoders, default_device, find_source
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import TorchSide
 from diffpipe_jax.models.hunyuan_video import FAMILY, OFFICIAL_FILE, OFFICIAL_MODEL
@@ -231,15 +231,6 @@ def crop_start(tokenizer, template):
   hidden states HunyuanVideo crops off. Measured rather than hard-coded, so that any LLaMA-3
   tokenizer (the released one gives Tencent's 36 and 95) and the tiny one work."""
   return len(tokenizer(template.split("{}")[0]).input_ids)
-
-
-def find_source(keys, rows):
-  """The first (key, folder or file) of `rows` ((config key, subpath), ...) that exists."""
-  for key, sub in rows:
-    path = os.path.join(keys[key], sub) if keys[key] and sub else keys[key]
-    if path and os.path.exists(path):
-      return key, path
-  return None
 
 
 def missing_error(keys, missing):

@@ -1,17 +1,23 @@
 """Wan 2.1 / 2.2's PyTorch side: its encoders for caching (Wan VAE latents, unpacked and normalised
-per channel; UMT5 text embeddings zeroed after each prompt's length) and the tiny random pipeline
-and checkpoints for tests and the embedded default, built with the real diffusers and transformers
-classes and saved in the real on-disk formats: a diffusers folder, Wan-AI's original folder
-(config.json and sharded safetensors under Wan's own names), and ComfyUI's single files."""
+per channel; UMT5 text embeddings zeroed after each prompt's length), read from a diffusers folder,
+Wan-AI's original folder (the T5 and VAE .pth under Wan's own names, google/umt5-xxl/) or
+ComfyUI's UMT5 file; and the tiny random pipeline and checkpoints for tests and the embedded
+default, built with the real diffusers and transformers classes and saved in the real on-disk
+formats: a diffusers folder, Wan-AI's original folder (config.json and sharded safetensors under
+Wan's own names, and its encoders' files), and ComfyUI's single files."""
 import json
 import math
 import os
+import re
 
 import numpy as np
 
 from diffpipe_jax import tiny
-from diffpipe_jax.convert.tensorfile import write_safetensors
-from diffpipe_jax.encoders import Encoders, default_device
+from diffpipe_jax.convert import table
+from diffpipe_jax.convert.table import Row
+from diffpipe_jax.convert.tensorfile import (TORCH_PICKLE_SUFFIXES, open_tensor_file,
+                                             torch_state_dict, write_safetensors)
+from diffpipe_jax.encoders import Encoders, default_device, find_source
 from diffpipe_jax.errors import UserError
 from diffpipe_jax.family import TorchSide
 from diffpipe_jax.models import wan as wan_model
@@ -22,7 +28,9 @@ class WanEncoders(Encoders):
   spatial for the 2.2 TI2V 5B's VAE; 1 + 4k frames), unpacked; UMT5 last hidden state, zeroed
   after each prompt's tokens. Both run in `dtype`, as the other families' encoders. For an I2V
   transformer also the first frame's condition latents and, where it has an image embedder
-  (2.1 I2V), the first frame's CLIP states (`encode_fields`)."""
+  (2.1 I2V), the first frame's CLIP states (`encode_fields`). Each component loads from the
+  first of ComfyUI's UMT5 file, Wan-AI's folder and a diffusers folder that has it (`sources`:
+  diffusers subfolder name -> the folder or file it loads from)."""
   components = {"vae": ("vae", "AutoencoderKLWan"),
                 "tokenizer": ("tokenizer", "AutoTokenizer"),
                 "text_encoder": ("umt5", "UMT5EncoderModel")}
@@ -30,9 +38,9 @@ class WanEncoders(Encoders):
   IMAGE_COMPONENTS = {"image_encoder": ("clip", "CLIPVisionModel"),
                       "image_processor": ("clip_processor", "CLIPImageProcessor")}
 
-  def __init__(self, path, device, dtype, options, frame_rate, vae_config, transformer):
+  def __init__(self, path, device, dtype, options, frame_rate, vae_config, transformer, sources):
     super().__init__(path, device, dtype, options)
-    self.frame_rate, self.vae_config = frame_rate, vae_config
+    self.frame_rate, self.vae_config, self.sources = frame_rate, vae_config, sources
     self.patch_size = tuple(transformer.patch_size)
     self.first_frame = wan_model.first_frame_input(transformer)
     if transformer.image_dim is not None:
@@ -44,40 +52,46 @@ class WanEncoders(Encoders):
     return self.first_frame == "channels"
 
   @classmethod
-  def load(cls, path, device=None, dtype=None, max_sequence_length=wan_model.TEXT_TOKENS, frame_rate=0,
-           trained_config=None):
-    """The encoders of a diffusers Wan folder (loaded when first needed); the text encoder in
-    float32 on CPU, bfloat16 on CUDA unless told. `frame_rate`: videos' (0: the model's, 16 for
-    Wan 2.1, 24 for the 2.2 TI2V 5B); `trained_config()`: the config of the transformer trained
-    (default: the folder's), which says what the cache holds besides latents and text, read
-    once the folder is known to exist."""
+  def load(cls, diffusers_path="", ckpt_path="", llm_path="", device=None, dtype=None,
+           max_sequence_length=wan_model.TEXT_TOKENS, frame_rate=0, trained_config=None):
+    """The encoders (loaded when first needed) from the keys diffusion-pipe uses, each component
+    from the first that has it (`source_rows`): llm_path (the UMT5 only), then ckpt_path (Wan-AI's
+    folder), then diffusers_path; the text encoder in float32 on CPU, bfloat16 on CUDA unless
+    told. `frame_rate`: videos' (0: the model's, 16 for Wan 2.1, 24 for the 2.2 TI2V 5B);
+    `trained_config()`: the config of the transformer trained (default: the folder's), which
+    says what the cache holds besides latents and text and which of Wan-AI's VAEs it takes,
+    read once the folders are known to exist."""
     import torch
     from diffusers.utils import is_ftfy_available
-    if not path:
-      raise UserError("caching needs model.diffusers_path for the UMT5 text encoder, its "
-                      "tokenizer and the VAE")
-    if not os.path.isdir(path):
-      raise UserError(f"model.diffusers_path {path} does not exist: set it to a diffusers Wan "
-                      "pipeline folder (with vae/, text_encoder/, tokenizer/)")
-    missing = lambda components: [sub for sub in components
-                                   if not os.path.isdir(os.path.join(path, sub))]
-    if missing(cls.components):
-      raise UserError(f"{path} lacks the encoder folder(s) {missing(cls.components)}: "
-                      "model.diffusers_path must be a diffusers Wan pipeline folder (with vae/, "
-                      "text_encoder/, tokenizer/)")
-    if trained_config is not None:
-      transformer = trained_config()
-    else:
-      config = os.path.join(path, "transformer", "config.json")
-      transformer = wan_model.WanConfig()  # the released patch, as WanPipeline assumes
-      if os.path.isfile(config):
-        with open(config) as f:
-          transformer = wan_model.config_from_diffusers(json.load(f))
-    if transformer.image_dim and missing(cls.IMAGE_COMPONENTS):
-      raise UserError(f"{path} lacks the encoder folder(s) {missing(cls.IMAGE_COMPONENTS)}: "
-                      "model.diffusers_path must be a diffusers Wan I2V pipeline folder (with "
-                      "image_encoder/, image_processor/: the transformer attends to CLIP image states)")
-    vae_config = read_vae_config(os.path.join(path, "vae"))
+    keys = dict(diffusers_path=diffusers_path, ckpt_path=ckpt_path, llm_path=llm_path)
+    if not diffusers_path and not ckpt_path:
+      raise UserError("caching needs model.diffusers_path (a diffusers Wan folder) or "
+                      "model.ckpt_path (Wan-AI's folder) for the UMT5 text encoder, its tokenizer "
+                      "and the VAE")
+    for key, value in keys.items():
+      if value and not os.path.exists(value):
+        raise UserError(f"model.{key} {value} does not exist: set it to {WHAT[key]}")
+    if llm_path and not os.path.isfile(llm_path):
+      raise UserError(f"model.llm_path {llm_path} is a folder: set it to {WHAT['llm_path']}")
+    transformer = trained_config() if trained_config is not None else folder_config(keys)
+    rows = source_rows(transformer)
+    found = {sub: find_source(keys, rows[sub]) for sub in cls.components}
+    missing = [sub for sub, source in found.items() if source is None]
+    if missing:
+      raise missing_error(keys, missing, rows)
+    if transformer.image_dim:
+      found.update({sub: find_source(keys, rows[sub]) for sub in cls.IMAGE_COMPONENTS})
+      missing = [sub for sub in cls.IMAGE_COMPONENTS if found[sub] is None]
+      if missing and not diffusers_path:
+        raise UserError("this Wan I2V model attends to CLIP image states, whose encoder loads "
+                        "from a diffusers folder only: set model.diffusers_path to a diffusers "
+                        "Wan I2V folder (with image_encoder/, image_processor/)")
+      if missing:
+        raise UserError(f"{diffusers_path} lacks the encoder folder(s) {missing}: "
+                        "model.diffusers_path must be a diffusers Wan I2V pipeline folder (with "
+                        "image_encoder/, image_processor/: the transformer attends to CLIP image states)")
+    sources = {sub: path for sub, (_, path) in found.items()}
+    vae_config = read_vae_config(sources["vae"])
     device = device or default_device()
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     # whether ftfy repairs the captions (WanPipeline's prompt_clean uses it where installed)
@@ -87,8 +101,9 @@ class WanEncoders(Encoders):
     first_frame = wan_model.first_frame_input(transformer)
     if first_frame == "channels":  # the cache holds the condition (and CLIP states): its fingerprint
       options["first_frame"] = "latents+clip" if transformer.image_dim else "latents"
-    return cls(path, device, dtype, options, frame_rate or wan_model.frame_rate(transformer),
-               vae_config, transformer)
+    used = ", ".join(dict.fromkeys(keys[key] for key, _ in found.values()))
+    return cls(used, device, dtype, options, frame_rate or wan_model.frame_rate(transformer),
+               vae_config, transformer, sources)
 
   def load_media_encoders(self):
     """The VAE, and an I2V model's CLIP vision encoder (float32, as WanImageToVideoPipeline's
@@ -97,13 +112,15 @@ class WanEncoders(Encoders):
     if "image_encoder" in self.components:
       import torch
       from transformers import CLIPImageProcessor, CLIPVisionModel
-      self.clip_processor = CLIPImageProcessor.from_pretrained(os.path.join(self.path, "image_processor"))
-      self.clip = CLIPVisionModel.from_pretrained(os.path.join(self.path, "image_encoder"),
+      self.clip_processor = CLIPImageProcessor.from_pretrained(self.sources["image_processor"])
+      self.clip = CLIPVisionModel.from_pretrained(self.sources["image_encoder"],
                                                   dtype=torch.float32).to(self.device).eval()
 
   def load_vae(self):
     from diffusers import AutoencoderKLWan
-    vae = AutoencoderKLWan.from_pretrained(os.path.join(self.path, "vae"), torch_dtype=self.dtype)
+    source = self.sources["vae"]
+    vae = (AutoencoderKLWan.from_pretrained(source, torch_dtype=self.dtype) if os.path.isdir(source)
+           else load_original_vae(source, self.vae_config, self.dtype))
     # whole clips in one pass (diffusers' default): tiles are blended at their seams, which
     # changes the latents
     vae.use_tiling = vae.use_slicing = False
@@ -111,9 +128,14 @@ class WanEncoders(Encoders):
 
   def load_text_encoders(self):
     from transformers import AutoTokenizer, UMT5EncoderModel
-    self.tokenizer = AutoTokenizer.from_pretrained(os.path.join(self.path, "tokenizer"))
-    self.umt5 = UMT5EncoderModel.from_pretrained(os.path.join(self.path, "text_encoder"),
-                                                 dtype=self.dtype).to(self.device).eval()
+    self.tokenizer = AutoTokenizer.from_pretrained(self.sources["tokenizer"])
+    source = self.sources["text_encoder"]
+    umt5 = (UMT5EncoderModel.from_pretrained(source, dtype=self.dtype) if os.path.isdir(source)
+            else load_umt5_file(source, self.dtype))
+    self.umt5 = umt5.to(self.device).eval()
+
+  def component_source(self, sub):
+    return self.sources[sub]
 
   @property
   def frames_per_latent(self):
@@ -222,20 +244,276 @@ class WanEncoders(Encoders):
     return dict(text=text.masked_fill(~kept[..., None], 0).float().cpu().numpy())
 
 
-def read_vae_config(folder):
-  """A diffusers folder's VAE config, its missing keys filled with AutoencoderKLWan's defaults
-  as diffusers fills them (the 2.1 folders' configs predate `scale_factor_spatial`)."""
+# Wan-AI's released folder (model.ckpt_path): its encoders' files, relative to it
+ORIGINAL_T5 = "models_t5_umt5-xxl-enc-bf16.pth"
+ORIGINAL_TOKENIZER = "google/umt5-xxl"
+ORIGINAL_VAES = {False: "Wan2.1_VAE.pth", True: "Wan2.2_VAE.pth"}  # by: is it the 2.2 TI2V 5B?
+WHAT = {"diffusers_path": "a diffusers Wan pipeline folder (with vae/, text_encoder/, tokenizer/)",
+        "ckpt_path": f"Wan-AI's folder (with {ORIGINAL_T5}, {ORIGINAL_TOKENIZER}/ and its VAE .pth)",
+        "llm_path": "ComfyUI's UMT5 file (umt5_xxl_fp16.safetensors or umt5_xxl_fp8_e4m3fn_scaled"
+                    ".safetensors), or leave it empty"}
+
+
+def source_rows(transformer) -> dict:
+  """Where each component is found, by the config key that says it, in precedence order
+  (`encoders.find_source`): ComfyUI's UMT5 file, then Wan-AI's folder (the VAE its transformer
+  takes: the 2.2 VAE for the TI2V 5B's 48 latent channels), then a diffusers folder. CLIP comes
+  from a diffusers folder only."""
+  vae = ORIGINAL_VAES[transformer.out_channels == wan_model.WAN22_Z]
+  return {"vae": (("ckpt_path", vae), ("diffusers_path", "vae")),
+          "tokenizer": (("ckpt_path", ORIGINAL_TOKENIZER), ("diffusers_path", "tokenizer")),
+          "text_encoder": (("llm_path", ""), ("ckpt_path", ORIGINAL_T5),
+                           ("diffusers_path", "text_encoder")),
+          **{sub: (("diffusers_path", sub),) for sub in WanEncoders.IMAGE_COMPONENTS}}
+
+
+def folder_config(keys) -> wan_model.WanConfig:
+  """The transformer config of Wan-AI's folder (its config.json), else of the diffusers folder
+  (the released patch where it has no transformer/, as WanPipeline assumes)."""
+  from diffpipe_jax import models
+  if keys["ckpt_path"]:
+    return models.checkpoint_config("wan", keys["ckpt_path"])
+  config = os.path.join(keys["diffusers_path"], "transformer", "config.json")
+  if not os.path.isfile(config):
+    return wan_model.WanConfig()
+  with open(config) as f:
+    return wan_model.config_from_diffusers(json.load(f))
+
+
+def missing_error(keys, missing, rows) -> UserError:
+  """One line: the folders that lack components (diffusers subfolder names: the files Wan-AI's
+  folder would have) and the keys that would give them."""
+  ckpt, diffusers = keys["ckpt_path"], keys["diffusers_path"]
+  if not ckpt:
+    return UserError(f"{diffusers} lacks the encoder folder(s) {missing}: model.diffusers_path "
+                     f"must be {WHAT['diffusers_path']}, or set model.ckpt_path to {WHAT['ckpt_path']}")
+  files = [dict(rows[sub]).get("ckpt_path", sub) for sub in missing]
+  return UserError(f"{ckpt} lacks {files}{f' and {diffusers} lacks {missing}' if diffusers else ''}: "
+                   f"model.ckpt_path must be {WHAT['ckpt_path']}, or set model.diffusers_path to "
+                   f"{WHAT['diffusers_path']}")
+
+
+def read_vae_config(source):
+  """The VAE's config without loading it, its missing keys filled with AutoencoderKLWan's
+  defaults as diffusers fills them (the 2.1 folders' configs predate `scale_factor_spatial`):
+  a diffusers folder's config.json, or Wan-AI's file's (`original_vae_config`)."""
   import inspect
   from diffusers import AutoencoderKLWan
-  path = os.path.join(folder, "config.json")
-  if not os.path.isfile(path):
-    raise UserError(f"{folder} has no config.json: model.diffusers_path must be a diffusers Wan "
-                    "pipeline folder, its vae/ as saved by diffusers")
-  with open(path) as f:
-    config = json.load(f)
   parameters = inspect.signature(AutoencoderKLWan.__init__).parameters.values()
   defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
-  return {**defaults, **config}
+  if os.path.isfile(source):
+    return {**defaults, **original_vae_config(open_tensor_file(source).shapes(), source, defaults)}
+  path = os.path.join(source, "config.json")
+  if not os.path.isfile(path):
+    raise UserError(f"{source} has no config.json: model.diffusers_path must be a diffusers Wan "
+                    "pipeline folder, its vae/ as saved by diffusers")
+  with open(path) as f:
+    return {**defaults, **json.load(f)}
+
+
+# The latent statistics of Wan-AI's VAEs by latent channels, which their files do not hold (Wan's
+# code does): the 2.2 VAE's (Wan2.2 `wan/modules/vae2_2.py`, `Wan2_2_VAE`); 2.1's are
+# AutoencoderKLWan's defaults (`latent_statistics`).
+LATENT_STATISTICS = {wan_model.WAN22_Z: dict(
+    latents_mean=[-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382,
+                  0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207,
+                  -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502, -0.2055, -0.0322, 0.1109,
+                  0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723,
+                  -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573,
+                  -0.0548, -0.1681, -0.0667],
+    latents_std=[0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344,
+                 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804,
+                 0.5833, 1.4146, 0.8986, 0.5659, 0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999,
+                 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
+                 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744])}
+
+
+def latent_statistics(z_dim, path, defaults):
+  """The released statistics of a Wan-AI VAE of `z_dim` latent channels: 2.1's (16, diffusers'
+  defaults) or 2.2's (48); another VAE's are unknown."""
+  released = {len(defaults["latents_mean"]): {k: defaults[k] for k in ("latents_mean", "latents_std")},
+              **LATENT_STATISTICS}
+  if z_dim not in released:
+    raise UserError(f"{path} is a VAE of {z_dim} latent channels, whose latent statistics no "
+                    "released Wan VAE has: give Wan2.1_VAE.pth or Wan2.2_VAE.pth, or a diffusers "
+                    "folder's vae/ (model.diffusers_path)")
+  return released[z_dim]
+
+
+def original_vae_config(shapes, path, defaults) -> dict:
+  """AutoencoderKLWan keyword arguments from the tensor shapes of Wan's VAE file (Wan's names:
+  2.1's stages one flat `downsamples` list, each ending at its resample; 2.2's nested, each
+  `downsamples.i.downsamples.j`), with the released latent statistics."""
+  residual = any(k.startswith("encoder.downsamples.0.downsamples.") for k in shapes)
+  units = lambda prefix: sorted({int(k[len(prefix):].split(".")[0]) for k in shapes if k.startswith(prefix)})
+  if residual:
+    stages = [[f"encoder.downsamples.{i}.downsamples.{j}"
+               for j in units(f"encoder.downsamples.{i}.downsamples.")]
+              for i in units("encoder.downsamples.")]
+  else:
+    stages = [[]]
+    for n in units("encoder.downsamples."):
+      stages[-1].append(f"encoder.downsamples.{n}")
+      if f"encoder.downsamples.{n}.resample.1.weight" in shapes:
+        stages.append([])
+  try:
+    base, in_channels = shapes["encoder.conv1.weight"][:2]
+    resnets = [[u for u in stage if f"{u}.residual.2.weight" in shapes] for stage in stages]
+    resamples = [u for stage in stages for u in stage if f"{u}.resample.1.weight" in shapes]
+    dim_mult = [shapes[f"{stage[0]}.residual.2.weight"][0] // base for stage in resnets]
+    temporal = [f"{u}.time_conv.weight" in shapes for u in resamples]
+    z_dim, decoder_dim = shapes["conv2.weight"][0], shapes["decoder.conv1.weight"][0]
+    out_channels = shapes["decoder.head.2.weight"][0]
+  except (KeyError, IndexError) as e:
+    raise UserError(f"{path} is no Wan VAE (it lacks {e}): model.ckpt_path must be "
+                    f"{WHAT['ckpt_path']}") from None
+  patch = math.isqrt(in_channels // 3)  # 2.2's pixels come in 2x2 patches (12 channels)
+  decoder_base = decoder_dim // dim_mult[-1]
+  return dict(base_dim=base, decoder_base_dim=None if decoder_base == base else decoder_base,
+              z_dim=z_dim, dim_mult=dim_mult, num_res_blocks=len(resnets[0]),
+              temperal_downsample=temporal, is_residual=residual, in_channels=in_channels,
+              out_channels=out_channels, patch_size=patch if patch > 1 else None,
+              scale_factor_temporal=2 ** sum(temporal),
+              scale_factor_spatial=2 ** len(resamples) * patch,
+              **latent_statistics(z_dim, path, defaults))
+
+
+# diffusers' AutoencoderKLWan names -> Wan's (`wan/modules/vae.py` of Wan2.1, `vae2_2.py` of
+# Wan2.2): a resnet's layers (Wan's `residual` Sequential: RMS norm, SiLU, conv, RMS norm, SiLU,
+# dropout, conv), then the modules around the stages.
+VAE_RESNET_LAYERS = ((".norm1.gamma", ".residual.0.gamma"), (".conv1.", ".residual.2."),
+                     (".norm2.gamma", ".residual.3.gamma"), (".conv2.", ".residual.6."),
+                     (".conv_shortcut.", ".shortcut."))
+VAE_MODULES = {"quant_conv": "conv1", "post_quant_conv": "conv2",
+               **{f"{side}.{ours}": f"{side}.{theirs}" for side in ("encoder", "decoder")
+                  for ours, theirs in (("conv_in", "conv1"), ("norm_out", "head.0"),
+                                       ("conv_out", "head.2"), ("mid_block.resnets.0", "middle.0"),
+                                       ("mid_block.attentions.0", "middle.1"),
+                                       ("mid_block.resnets.1", "middle.2"))}}
+
+
+def original_vae_key(key, config) -> str:
+  """A diffusers AutoencoderKLWan name -> Wan's. A stage of 2.1's flat lists is its resnets then
+  its resample: the encoder's are diffusers' own list, the decoder's `num_res_blocks` + 1 resnets
+  and an upsampler a stage; 2.2 nests them (`downsamples.i.downsamples.j`, the resample last)."""
+  for ours, theirs in VAE_RESNET_LAYERS:
+    key = key.replace(ours, theirs)
+  n = config["num_res_blocks"]
+
+  def down(m):
+    return f"encoder.downsamples.{m[1]}.downsamples.{n if m[3] else m[2]}."
+
+  def up(m):
+    stage, index = int(m[1]), n + 1 if m[3] else int(m[2])
+    return (f"decoder.upsamples.{stage}.upsamples.{index}." if config["is_residual"]
+            else f"decoder.upsamples.{stage * (n + 2) + index}.")
+  key = re.sub(r"^encoder\.down_blocks\.(\d+)\.(?:resnets\.(\d+)|(downsampler))\.", down, key)
+  key = re.sub(r"^encoder\.down_blocks\.", "encoder.downsamples.", key)
+  key = re.sub(r"^decoder\.up_blocks\.(\d+)\.(?:resnets\.(\d+)|(upsampler|upsamplers\.0))\.", up, key)
+  module = next((m for m in VAE_MODULES if key.startswith(m + ".")), None)
+  return key if module is None else VAE_MODULES[module] + key[len(module):]
+
+
+def load_original_vae(path, config, dtype):
+  """Wan-AI's VAE file as AutoencoderKLWan (built on the meta device and given the file's
+  tensors, renamed by `original_vae_key`: no random init to overwrite)."""
+  import torch
+  from diffusers import AutoencoderKLWan
+  with torch.device("meta"):
+    vae = AutoencoderKLWan(**config)
+  names = {original_vae_key(k, config): k for k in vae.state_dict()}
+  tensors = torch_state_dict(path)
+  state = {names.get(k, k): v.to(dtype) for k, v in tensors.items()}
+  return load_checked(vae, state, path, "a Wan VAE of the architecture its shapes say")
+
+
+def load_checked(model, state, path, what):
+  """`model` (on the meta device) given `state`, every tensor of both accounted for, or a
+  one-line error naming the file."""
+  missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+  if missing or unexpected:
+    raise UserError(f"{path} is not {what}: missing {missing[:3]}, unexpected {unexpected[:3]}; "
+                    "give the released file")
+  return model
+
+
+# Wan's T5 encoder (`wan/modules/t5.py` of Wan2.1: `T5Encoder` with `shared_pos=False`, as
+# `umt5_xxl` builds it) -> transformers' UMT5EncoderModel, module by module. Wan's feed-forward
+# is `fc1(x) * gate(x)`, `gate` a Linear then GELU: transformers' `wi_1` and `wi_0`. The table
+# reads both ways: Wan-AI's file loads through it, and the tiny one is written through it.
+_T5 = "encoder.block.{i}.layer."
+UMT5_ROWS = (
+    Row("token_embedding", ("shared",)),
+    Row("blocks.{i}.norm1", (_T5 + "0.layer_norm",)),
+    *(Row(f"blocks.{{i}}.attn.{x}", (f"{_T5}0.SelfAttention.{x}",)) for x in "qkvo"),
+    Row("blocks.{i}.pos_embedding.embedding", (_T5 + "0.SelfAttention.relative_attention_bias",)),
+    Row("blocks.{i}.norm2", (_T5 + "1.layer_norm",)),
+    Row("blocks.{i}.ffn.gate.0", (_T5 + "1.DenseReluDense.wi_0",)),
+    Row("blocks.{i}.ffn.fc1", (_T5 + "1.DenseReluDense.wi_1",)),
+    Row("blocks.{i}.ffn.fc2", (_T5 + "1.DenseReluDense.wo",)),
+    Row("norm", ("encoder.final_layer_norm",)),
+)
+TIED_EMBEDDING = "encoder.embed_tokens.weight"  # transformers' second name of `shared.weight`
+# ComfyUI's "scaled" float8 files: a marker tensor, and per Linear a float32 `scale_weight` (the
+# weight is float8 times it) and a `scale_input` for float8 matmuls (unused here)
+SCALED_FP8_MARKER, WEIGHT_SCALE, INPUT_SCALE = "scaled_fp8", "scale_weight", "scale_input"
+
+
+def dequantized(tensors) -> dict:
+  """A ComfyUI file's tensors with each weight that has a `scale_weight` multiplied by it (in
+  float32), the scales and the marker dropped; other tensors as they are."""
+  scales = {k[:-len(WEIGHT_SCALE)] + "weight": v for k, v in tensors.items() if k.endswith("." + WEIGHT_SCALE)}
+  return {k: v.float() * scales[k].float() if k in scales else v for k, v in tensors.items()
+          if k != SCALED_FP8_MARKER and not k.endswith(("." + WEIGHT_SCALE, "." + INPUT_SCALE))}
+
+
+def umt5_tensors(path) -> dict:
+  """UMT5 encoder tensors under transformers' names from Wan-AI's .pth (Wan's names,
+  `UMT5_ROWS`) or ComfyUI's safetensors (transformers' names, their `encoder.` prefix possibly
+  left out; float8 ones dequantised), the tied embedding under both its names."""
+  from safetensors.torch import load_file
+  if path.endswith(TORCH_PICKLE_SUFFIXES):
+    wan = torch_state_dict(path)
+    names = {k: parts[0] for k, parts in table.part_names(wan, UMT5_ROWS).items()}
+    tensors = {names.get(k, k): v for k, v in wan.items()}
+  else:
+    tensors = {k if k.startswith(("encoder.", "shared.")) else "encoder." + k: v
+               for k, v in dequantized(load_file(path)).items()}
+  embedding = tensors.get("shared.weight", tensors.get(TIED_EMBEDDING))
+  if embedding is None:
+    raise UserError(f"{path} holds no UMT5 token embedding (shared.weight): model.llm_path must "
+                    f"be {WHAT['llm_path']}")
+  return {**tensors, "shared.weight": embedding, TIED_EMBEDDING: embedding}
+
+
+def umt5_config(shapes):
+  """A UMT5 encoder's config from its tensor shapes (transformers' names): the released
+  UMT5-XXL's form (gated GELU, a relative attention bias in every layer, transformers' defaults
+  for what shapes do not show: 128 positions' reach, 1e-6 norm epsilon, as Wan's T5)."""
+  from transformers import UMT5Config
+  layer = _T5.format(i=0)
+  vocab, width = shapes["shared.weight"]
+  buckets, heads = shapes[layer + "0.SelfAttention.relative_attention_bias.weight"]
+  return UMT5Config(vocab_size=vocab, d_model=width, num_heads=heads,
+                    d_kv=shapes[layer + "0.SelfAttention.q.weight"][0] // heads,
+                    d_ff=shapes[layer + "1.DenseReluDense.wi_0.weight"][0],
+                    num_layers=len({k.split(".")[2] for k in shapes if k.startswith("encoder.block.")}),
+                    relative_attention_num_buckets=buckets, feed_forward_proj="gated-gelu")
+
+
+def load_umt5_file(path, dtype):
+  """UMT5EncoderModel from Wan-AI's T5 .pth or ComfyUI's UMT5 safetensors (`umt5_tensors`)."""
+  import torch
+  from transformers import UMT5EncoderModel
+  tensors = umt5_tensors(path)
+  try:
+    config = umt5_config({k: tuple(v.shape) for k, v in tensors.items()})
+  except KeyError as e:
+    raise UserError(f"{path} is no UMT5 encoder (it lacks {e}): give {ORIGINAL_T5} or "
+                    f"{WHAT['llm_path']}") from None
+  with torch.device("meta"):
+    umt5 = UMT5EncoderModel(config)
+  return load_checked(umt5, {k: v.to(dtype) for k, v in tensors.items()}, path, "a UMT5 encoder")
 
 
 # Smallest Wan transformer with every structural feature, in non-released dims: an odd head
@@ -276,15 +554,17 @@ def build_tiny(seed=0, **overrides):
 
 
 def build_tiny_vae(seed=0, wan22=False):
-  """A random `AutoencoderKLWan` (float32, eval mode) of Wan 2.1's form, or 2.2's; its latent
-  statistics random too (they are config lists, not weights)."""
+  """A random `AutoencoderKLWan` (float32, eval mode) of Wan 2.1's form, or 2.2's. Its latent
+  statistics (config lists, not weights) are random for 2.1's 9 channels, and the released
+  ones for 2.2's 48, which its Wan-AI file then reads back (`latent_statistics`)."""
   from diffusers import AutoencoderKLWan
-  config = TINY_VAE_22 if wan22 else TINY_VAE
+  if wan22:
+    return tiny.build(AutoencoderKLWan, seed, **TINY_VAE_22, **LATENT_STATISTICS[wan_model.WAN22_Z])
   rng = np.random.default_rng(seed)
-  z = config["z_dim"]
+  z = TINY_VAE["z_dim"]
   stats = dict(latents_mean=[round(float(x), 4) for x in rng.normal(0, 0.5, z)],
                latents_std=[round(float(x), 4) for x in rng.uniform(0.5, 3.0, z)])
-  return tiny.build(AutoencoderKLWan, seed, **config, **stats)
+  return tiny.build(AutoencoderKLWan, seed, **TINY_VAE, **stats)
 
 
 PREFIX = "model.diffusion_model."  # of the transformer in some of ComfyUI's files
@@ -419,6 +699,66 @@ def write_tiny_pipeline(root, seed=0, kind=""):
   return root
 
 
+def original_umt5(umt5) -> dict:
+  """A UMT5 encoder's tensors under Wan's names (numpy float32), as Wan-AI's T5 .pth holds them."""
+  tensors = tiny.state_dict_numpy(umt5)
+  del tensors[TIED_EMBEDDING]
+  return {single: tensors[parts[0]] for single, (parts, _) in table.single_file_parts(tensors, UMT5_ROWS).items()}
+
+
+def original_vae(vae) -> dict:
+  """A VAE's tensors under Wan's names (numpy float32), as Wan-AI's VAE .pth holds them."""
+  return {original_vae_key(k, vae.config): v for k, v in tiny.state_dict_numpy(vae).items()}
+
+
+def save_torch(tensors, path):
+  """Writes numpy tensors as a torch pickle of a state dict (Wan-AI's .pth files)."""
+  import torch
+  torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, path)
+  return path
+
+
+def write_tiny_original(pipeline, folder):
+  """Writes Wan-AI's folder of a tiny diffusers pipeline folder's models (`write_tiny_pipeline`),
+  the same weights in float32: the transformer (`save_original`), the T5 .pth, the tokenizer in
+  google/umt5-xxl/ and the VAE .pth of its kind (2.2's for the TI2V 5B). An I2V pipeline's CLIP
+  is not written (its Wan-AI file is not read here). Returns folder."""
+  from diffusers import AutoencoderKLWan, WanTransformer3DModel
+  from transformers import AutoTokenizer, UMT5EncoderModel
+  part = lambda cls, sub: cls.from_pretrained(os.path.join(pipeline, sub)).eval()
+  transformer = part(WanTransformer3DModel, "transformer")
+  save_original(transformer, folder)
+  save_torch(original_umt5(part(UMT5EncoderModel, "text_encoder")), os.path.join(folder, ORIGINAL_T5))
+  AutoTokenizer.from_pretrained(os.path.join(pipeline, "tokenizer")).save_pretrained(
+      os.path.join(folder, ORIGINAL_TOKENIZER))
+  vae = part(AutoencoderKLWan, "vae")
+  save_torch(original_vae(vae), os.path.join(folder, ORIGINAL_VAES[vae.config.is_residual]))
+  return folder
+
+
+def save_comfyui_umt5(umt5, path, float8=False, prefix="encoder."):
+  """Writes ComfyUI's UMT5 file: transformers' names (their `encoder.` prefix replaced by
+  `prefix`), the tied embedding once, in float16; or as its fp8_e4m3fn_scaled file: the blocks'
+  Linear weights in float8 e4m3fn, each scaled to its largest value (`scale_weight`, float32),
+  the marker tensor beside them."""
+  import ml_dtypes
+  tensors = tiny.state_dict_numpy(umt5)
+  del tensors[TIED_EMBEDDING]
+  out = {}
+  for key, value in tensors.items():
+    name = prefix + key[len("encoder."):] if key.startswith("encoder.") else key
+    if float8 and key.startswith("encoder.block.") and value.ndim == 2 and "relative_attention" not in key:
+      scale = np.abs(value).max() / float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+      out[name] = (value / scale).astype(ml_dtypes.float8_e4m3fn)
+      out[name[:-len("weight")] + WEIGHT_SCALE] = np.array([scale], np.float32)
+    else:
+      out[name] = value.astype(np.float16)
+  if float8:
+    out[SCALED_FP8_MARKER] = np.zeros(0, ml_dtypes.float8_e4m3fn)
+  write_safetensors(out, path)
+  return path
+
+
 def trained_config(model_config):
   """The config of the transformer a run trains (read from its files' config or headers)."""
   from diffpipe_jax import models
@@ -427,7 +767,8 @@ def trained_config(model_config):
 
 TORCH_SIDE = TorchSide(
     load_encoders=lambda model_config, **kw: WanEncoders.load(
-        model_config.diffusers_path, frame_rate=model_config.frame_rate,
+        model_config.diffusers_path, model_config.ckpt_path, model_config.llm_path,
+        frame_rate=model_config.frame_rate,
         trained_config=lambda: trained_config(model_config), **kw),
     write_tiny_pipeline=write_tiny_pipeline,
     tiny_kinds=TINY_KINDS,

@@ -526,10 +526,15 @@ FAMILY = Family(
     model_keys=dict(
         diffusers_path=Key(
             "", TEXT, "a diffusers Wan folder (transformer, VAE, UMT5 text encoder)"),
-        ckpt_path=Key("", TEXT, "or Wan-AI's folder (config.json and the original weights)"),
+        ckpt_path=Key("", TEXT, "or Wan-AI's folder (config.json and the original weights, "
+                      "the T5 and VAE .pth, google/umt5-xxl/); wins over diffusers_path; an "
+                      "I2V model's CLIP still comes from diffusers_path"),
         transformer_path=Key(
             "", TEXT, "or ComfyUI's transformer (bf16 or fp8_e4m3fn .safetensors); wins over "
             "the folders"),
+        llm_path=Key(
+            "", TEXT, "ComfyUI's UMT5 text encoder (umt5_xxl_fp16 or fp8_e4m3fn_scaled "
+            ".safetensors); wins over the folders' (their tokenizer is still used)"),
         expert=Key(
             "", choice("", *EXPERTS),
             "Wan 2.2 A14B (a diffusers folder of two experts): the one this run trains, on its "
