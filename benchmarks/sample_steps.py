@@ -5,12 +5,13 @@ no VAE), on the released shape with random weights in bf16, one call, one table.
   python benchmarks/sample_steps.py --model flux --res 1024 --steps 28 --guidance 3.5
   python benchmarks/sample_steps.py --model hunyuan-video --res 512 --frames 33 --steps 50
   python benchmarks/sample_steps.py --model ltx-video --res 512 --width 768 --frames 121 --steps 50
+  python benchmarks/sample_steps.py --model wan --wan 14b --res 480 --width 832 --frames 81 --steps 50 --guidance 5
 
 Each side runs in a process of its own (its own peak memory): a warm-up call of `--steps` steps
 (ours compiles then, its program for the modulations of that many steps among them), then the
 timed call of `--steps` (until 2026-12-04's sixth session the warm-up was 2 steps). LTX-Video
-runs classifier-free guidance (two rows a step) in both; Flux and HunyuanVideo their guidance
-embedding. Shapes and defaults are benchmarks/train_step.py's (`SHAPES`). `--smoke` runs tiny
+and Wan run classifier-free guidance (two rows a step) in both; Flux and HunyuanVideo their
+guidance embedding. Each side steps with its pipeline's scheduler (Wan's: UniPC). Shapes and defaults are benchmarks/train_step.py's (`SHAPES`). `--smoke` runs tiny
 shapes on the CPU to test the script.
 """
 import argparse
@@ -96,7 +97,7 @@ def peer(a):
   released = dict(family.sampling.scheduler(shape.cfg))
   scheduler = getattr(diffusers, released.pop("_class_name", "FlowMatchEulerDiscreteScheduler"))(**released)
   pipeline = getattr(diffusers, {"flux": "FluxPipeline", "ltx-video": "LTXPipeline",
-                                 "hunyuan-video": "HunyuanVideoPipeline"}[a.model])
+                                 "hunyuan-video": "HunyuanVideoPipeline", "wan": "WanPipeline"}[a.model])
   components = {n: None for n in inspect.signature(pipeline.__init__).parameters if n != "self"}
   pipe = pipeline(**dict(components, transformer=transformer, scheduler=scheduler))
   t = lambda x: torch.from_numpy(np.asarray(x)).to(device, dtype)
@@ -106,7 +107,9 @@ def peer(a):
   if "text_mask" in conditioning:
     kw["prompt_attention_mask"] = t(conditioning["text_mask"])
   if family.sampling.guidance_mode == "cfg":
-    kw |= dict(negative_prompt_embeds=t(uncond["text"]), negative_prompt_attention_mask=t(uncond["text_mask"]))
+    kw["negative_prompt_embeds"] = t(uncond["text"])
+    if "text_mask" in uncond:
+      kw["negative_prompt_attention_mask"] = t(uncond["text_mask"])
   width = a.width or a.res
   video = dict(num_frames=a.frames) if a.model != "flux" else {}
   run = lambda steps: pipe(**kw, latents=t(noise), height=a.res, width=width, num_inference_steps=steps,

@@ -158,13 +158,12 @@ def transformers_log():
     logger.removeHandler(handler)
 
 
-def load_encoders(name, pipeline, **options):
-  """The family's encoders of a tiny pipeline folder, on the CPU; `options` of the model config
-  (its keys) go there, the rest to the encoders."""
+def load_encoders(name, pipeline, model=(), **options):
+  """The family's encoders of a tiny pipeline folder, on the CPU: `model` keys set in the model
+  config, `options` passed to the encoders."""
   model_config = family_config(name).model
   model_config.diffusers_path = pipeline
-  for key in set(options) & set(model_config):
-    model_config[key] = options.pop(key)
+  model_config.update(dict(model))
   return family_lib.torch_side(family_lib.get(name)).load_encoders(model_config, device="cpu", **options)
 
 

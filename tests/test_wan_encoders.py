@@ -363,7 +363,7 @@ def original(pipeline, tmp_path_factory):
   stats = {k: wan.read_vae_config(f"{pipeline}/vae")[k] for k in ("latents_mean", "latents_std")}
   with pytest.MonkeyPatch.context() as patch:
     patch.setitem(wan.LATENT_STATISTICS, wan.TINY_Z, stats)
-    encoders = load_encoders(FAMILY, "", ckpt_path=folder)
+    encoders = load_encoders(FAMILY, "", model=dict(ckpt_path=folder))
   yield folder, encoders
   encoders.release()
 
@@ -450,7 +450,7 @@ def test_llm_path_is_comfyuis_umt5_file(pipeline, encoders, pipe, tmp_path, floa
   path = wan.save_comfyui_umt5(pipe.text_encoder, str(tmp_path / "umt5_xxl.safetensors"), float8, prefix)
   weights = rounded(tiny.state_dict_numpy(pipe.text_encoder), float8)
   assert_same_tensors({k: v.float().numpy() for k, v in wan.umt5_tensors(path).items()}, weights)
-  ours = load_encoders(FAMILY, pipeline, llm_path=path)
+  ours = load_encoders(FAMILY, pipeline, model=dict(llm_path=path))
   assert ours.sources["text_encoder"] == path and ours.sources["tokenizer"] == f"{pipeline}/tokenizer"
   reference = load_encoders(FAMILY, pipeline)
   reference.tokenizer, reference.umt5 = encoders.tokenizer, copy.deepcopy(pipe.text_encoder)
