@@ -461,13 +461,16 @@ def test_llm_path_is_comfyuis_umt5_file(pipeline, encoders, pipe, tmp_path, floa
   assert ours.identity() != encoders.identity()
 
 
-def test_missing_wan_ai_files_and_clip_are_one_line_errors(original, i2v_pipeline, tmp_path, monkeypatch):
+def refusal(**keys):
+  """The one-line UserError of loading the encoders from `keys`."""
+  with pytest.raises(UserError) as e:
+    WanEncoders.load(**keys)
+  assert "\n" not in str(e.value)
+  return str(e.value)
+
+
+def test_missing_wan_ai_files_are_one_line_errors(original, tmp_path):
   folder, _ = original
-  def refusal(**keys):
-    with pytest.raises(UserError) as e:
-      WanEncoders.load(**keys)
-    assert "\n" not in str(e.value)
-    return str(e.value)
   assert refusal(ckpt_path=str(tmp_path / "nope")).startswith(
       f"model.ckpt_path {tmp_path}/nope does not exist: set it to Wan-AI's folder")
   partial = tmp_path / "partial"
@@ -483,11 +486,108 @@ def test_missing_wan_ai_files_and_clip_are_one_line_errors(original, i2v_pipelin
   # the tiny VAE's 9 channels: no released Wan VAE has their statistics
   assert "a VAE of 9 latent channels, whose latent statistics no released Wan VAE has" in refusal(
       ckpt_path=folder)
-  i2v = wan.write_tiny_original(i2v_pipeline, str(tmp_path / "Wan2.1-I2V-tiny"))
-  assert refusal(ckpt_path=i2v).startswith("this Wan I2V model attends to CLIP image states, whose "
-                                           "encoder loads from a diffusers folder only: set "
-                                           "model.diffusers_path")
-  # with the diffusers I2V folder beside it, CLIP comes from there
-  stats = {k: wan.read_vae_config(f"{i2v_pipeline}/vae")[k] for k in ("latents_mean", "latents_std")}
-  monkeypatch.setitem(wan.LATENT_STATISTICS, wan.TINY_Z, stats)
-  assert WanEncoders.load(i2v_pipeline, ckpt_path=i2v).sources["image_encoder"] == f"{i2v_pipeline}/image_encoder"
+
+
+# ---- Wan-AI's I2V folder: its CLIP file -------------------------------------------------------
+
+
+def tiny_clip_loads(patch, pipeline):
+  """What the tiny I2V folder's files load with: its VAE's statistics (the pipeline's, as no
+  released VAE has 9 channels) and its CLIP's head size (8, not the released 80)."""
+  stats = {k: wan.read_vae_config(f"{pipeline}/vae")[k] for k in ("latents_mean", "latents_std")}
+  patch.setitem(wan.LATENT_STATISTICS, wan.TINY_Z, stats)
+  heads = wan.TINY_CLIP["num_attention_heads"]
+  patch.setattr(wan, "CLIP_HEAD_DIM", wan.TINY_CLIP["hidden_size"] // heads)
+
+
+@pytest.fixture(scope="module")
+def original_i2v(i2v_pipeline, tmp_path_factory):
+  """Wan-AI's folder of the tiny I2V pipeline's weights (its CLIP .pth included), and its encoders."""
+  folder = wan.write_tiny_original(i2v_pipeline, str(tmp_path_factory.mktemp("Wan2.1-I2V-tiny")))
+  with pytest.MonkeyPatch.context() as patch:
+    tiny_clip_loads(patch, i2v_pipeline)
+    encoders = WanEncoders.load(ckpt_path=folder)
+  yield folder, encoders
+  encoders.release()
+
+
+def test_wan_ai_clip_names_are_wans_own(original_i2v, i2v_pipeline):
+  """The CLIP file holds Wan's names (Wan2.1 `wan/modules/clip.py`, `VisionTransformer` under
+  `visual.`), q, k, v fused in that order along the rows; the released shapes give the released
+  image_encoder config (laion's CLIP-ViT-H-14, as diffusers' Wan I2V folders hold it)."""
+  from transformers import CLIPVisionModel
+  folder, _ = original_i2v
+  clip = torch.load(f"{folder}/{wan.ORIGINAL_CLIP}", weights_only=True)
+  assert {"visual.patch_embedding.weight", "visual.cls_embedding", "visual.pos_embedding",
+          "visual.pre_norm.weight", "visual.transformer.0.norm1.bias",
+          "visual.transformer.0.attn.to_qkv.weight", "visual.transformer.2.attn.to_qkv.bias",
+          "visual.transformer.1.attn.proj.weight", "visual.transformer.0.norm2.weight",
+          "visual.transformer.2.mlp.0.weight", "visual.transformer.0.mlp.2.bias",
+          "visual.post_norm.bias"} <= set(clip)
+  assert "visual.patch_embedding.bias" not in clip  # Wan's pre-norm tower has none
+  assert clip["visual.cls_embedding"].shape == (1, 1, 24)
+  assert clip["visual.pos_embedding"].shape == (1, 17, 24)  # the class token's, then 4 x 4 patches
+  theirs = CLIPVisionModel.from_pretrained(f"{i2v_pipeline}/image_encoder").encoder.layers[1].self_attn
+  qkv = clip["visual.transformer.1.attn.to_qkv.weight"].numpy()
+  for rows, proj in zip(np.split(qkv, 3), (theirs.q_proj, theirs.k_proj, theirs.v_proj)):
+    np.testing.assert_array_equal(rows, proj.weight.detach().numpy())
+  released = {"visual.patch_embedding.weight": (1280, 3, 14, 14), "visual.pos_embedding": (1, 257, 1280),
+              **{f"visual.transformer.{i}.mlp.0.weight": (5120, 1280) for i in range(32)}}
+  config = wan.clip_vision_config(released, "released")
+  assert ((config.hidden_size, config.num_attention_heads, config.intermediate_size,
+           config.num_hidden_layers, config.patch_size, config.image_size, config.hidden_act,
+           config.layer_norm_eps) == (1280, 16, 5120, 32, 14, 224, "gelu", 1e-5))
+
+
+def test_wan_ai_i2v_folder_encodes_as_the_diffusers_i2v_folder(original_i2v, i2v_pipeline):
+  """Without a diffusers folder, Wan-AI's CLIP file gives the image encoder and its processor:
+  the cache's fields (`first_frame_fields`: condition and CLIP states) are the diffusers
+  folder's. The states are the first L - 1 blocks' output after the pre-norm (Wan's
+  `use_31_block`), which is `hidden_states[-2]`."""
+  folder, ours = original_i2v
+  theirs = WanEncoders.load(i2v_pipeline)
+  clip = f"{folder}/{wan.ORIGINAL_CLIP}"
+  assert ours.sources["image_encoder"] == ours.sources["image_processor"] == clip
+  pixels = (np.round((clips(5, batch=1) + 1) * 127.5) / 127.5 - 1).astype(np.float32)
+  got, want = ours.encode_fields(pixels), theirs.encode_fields(pixels)
+  assert sorted(got) == ["condition", "image", "latents"]
+  for field in ("latents", "condition"):
+    assert_close(got[field], want[field], what=field)
+  np.testing.assert_array_equal(got["image"], want["image"])
+  assert ours.clip_processor.to_dict() == theirs.clip_processor.to_dict()
+  model = ours.clip
+  with torch.no_grad():
+    x = ours.clip_processor(images=np.uint8(np.round((pixels[0, 0] + 1) * 127.5)), return_tensors="pt")
+    h = model.pre_layrnorm(model.embeddings(x.pixel_values))
+    for layer in model.encoder.layers[:-1]:
+      h = layer(h, None)
+  np.testing.assert_array_equal(got["image"], h.numpy())
+  assert ours.identity() != theirs.identity()
+  theirs.release()
+
+
+def test_wan_ai_clip_files_are_checked(original_i2v, i2v_pipeline, tmp_path, monkeypatch):
+  """One-line errors: a tower whose width is no multiple of the head size, a folder without the
+  CLIP file, a CLIP file without the vision tower (the text tower only); a folder without it
+  takes CLIP from the diffusers folder beside it."""
+  folder, _ = original_i2v
+  with pytest.raises(UserError, match=f"{wan.ORIGINAL_CLIP} is a CLIP vision tower 24 wide, not "
+                     "heads of 80 as Wan's: give"):
+    wan.read_clip_config(f"{folder}/{wan.ORIGINAL_CLIP}")
+  partial = tmp_path / "partial"
+  partial.mkdir()
+  for name in os.listdir(folder):
+    if name != wan.ORIGINAL_CLIP:
+      os.symlink(f"{folder}/{name}", partial / name)
+  assert refusal(ckpt_path=str(partial)).startswith(
+      f"{partial} lacks ['{wan.ORIGINAL_CLIP}']: model.ckpt_path must be Wan-AI's I2V folder")
+  tiny_clip_loads(monkeypatch, i2v_pipeline)
+  assert WanEncoders.load(i2v_pipeline, ckpt_path=str(partial)).sources["image_encoder"] == (
+      f"{i2v_pipeline}/image_encoder")
+  wan.save_torch({"textual.token_embedding.weight": np.zeros((5, 4), np.float32),
+                  "log_scale": np.zeros((), np.float32)}, str(partial / wan.ORIGINAL_CLIP))
+  assert refusal(ckpt_path=str(partial)) == (
+      f"{partial}/{wan.ORIGINAL_CLIP} holds no CLIP vision tower (it lacks "
+      f"'visual.patch_embedding.weight'): model.ckpt_path must be {wan.WHAT_I2V['ckpt_path']}, "
+      f"or set model.diffusers_path to {wan.WHAT_I2V['diffusers_path']}")
+

@@ -1,10 +1,11 @@
 """Wan 2.1 / 2.2's PyTorch side: its encoders for caching (Wan VAE latents, unpacked and normalised
-per channel; UMT5 text embeddings zeroed after each prompt's length), read from a diffusers folder,
-Wan-AI's original folder (the T5 and VAE .pth under Wan's own names, google/umt5-xxl/) or
-ComfyUI's UMT5 file; and the tiny random pipeline and checkpoints for tests and the embedded
-default, built with the real diffusers and transformers classes and saved in the real on-disk
-formats: a diffusers folder, Wan-AI's original folder (config.json and sharded safetensors under
-Wan's own names, and its encoders' files), and ComfyUI's single files."""
+per channel; UMT5 text embeddings zeroed after each prompt's length; an I2V model's CLIP image
+states), read from a diffusers folder, Wan-AI's original folder (the T5, VAE and CLIP .pth under
+Wan's own names, google/umt5-xxl/) or ComfyUI's UMT5 file; and the tiny random pipeline and
+checkpoints for tests and the embedded default, built with the real diffusers and transformers
+classes and saved in the real on-disk formats: a diffusers folder, Wan-AI's original folder
+(config.json and sharded safetensors under Wan's own names, and its encoders' files), and
+ComfyUI's single files."""
 import json
 import math
 import os
@@ -38,9 +39,11 @@ class WanEncoders(Encoders):
   IMAGE_COMPONENTS = {"image_encoder": ("clip", "CLIPVisionModel"),
                       "image_processor": ("clip_processor", "CLIPImageProcessor")}
 
-  def __init__(self, path, device, dtype, options, frame_rate, vae_config, transformer, sources):
+  def __init__(self, path, device, dtype, options, frame_rate, vae_config, transformer, sources,
+               clip_config=None):
     super().__init__(path, device, dtype, options)
     self.frame_rate, self.vae_config, self.sources = frame_rate, vae_config, sources
+    self.clip_config = clip_config  # of Wan-AI's CLIP file (`read_clip_config`); None: a folder's
     self.patch_size = tuple(transformer.patch_size)
     self.first_frame = wan_model.first_frame_input(transformer)
     if transformer.image_dim is not None:
@@ -82,16 +85,12 @@ class WanEncoders(Encoders):
     if transformer.image_dim:
       found.update({sub: find_source(keys, rows[sub]) for sub in cls.IMAGE_COMPONENTS})
       missing = [sub for sub in cls.IMAGE_COMPONENTS if found[sub] is None]
-      if missing and not diffusers_path:
-        raise UserError("this Wan I2V model attends to CLIP image states, whose encoder loads "
-                        "from a diffusers folder only: set model.diffusers_path to a diffusers "
-                        "Wan I2V folder (with image_encoder/, image_processor/)")
       if missing:
-        raise UserError(f"{diffusers_path} lacks the encoder folder(s) {missing}: "
-                        "model.diffusers_path must be a diffusers Wan I2V pipeline folder (with "
-                        "image_encoder/, image_processor/: the transformer attends to CLIP image states)")
+        raise missing_error(keys, missing, rows, WHAT_I2V)
     sources = {sub: path for sub, (_, path) in found.items()}
     vae_config = read_vae_config(sources["vae"])
+    clip = sources.get("image_encoder")
+    clip_config = read_clip_config(clip) if clip and os.path.isfile(clip) else None
     device = device or default_device()
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     # whether ftfy repairs the captions (WanPipeline's prompt_clean uses it where installed)
@@ -103,18 +102,24 @@ class WanEncoders(Encoders):
       options["first_frame"] = "latents+clip" if transformer.image_dim else "latents"
     used = ", ".join(dict.fromkeys(keys[key] for key, _ in found.values()))
     return cls(used, device, dtype, options, frame_rate or wan_model.frame_rate(transformer),
-               vae_config, transformer, sources)
+               vae_config, transformer, sources, clip_config)
 
   def load_media_encoders(self):
     """The VAE, and an I2V model's CLIP vision encoder (float32, as WanImageToVideoPipeline's
-    users load it) with its image processor."""
+    users load it) with its image processor: a diffusers folder's, or Wan-AI's CLIP file
+    (`load_clip_file`) with the released processor (`clip_processor`)."""
     super().load_media_encoders()
     if "image_encoder" in self.components:
       import torch
       from transformers import CLIPImageProcessor, CLIPVisionModel
-      self.clip_processor = CLIPImageProcessor.from_pretrained(self.sources["image_processor"])
-      self.clip = CLIPVisionModel.from_pretrained(self.sources["image_encoder"],
-                                                  dtype=torch.float32).to(self.device).eval()
+      source = self.sources["image_encoder"]
+      if self.clip_config is None:
+        self.clip_processor = CLIPImageProcessor.from_pretrained(self.sources["image_processor"])
+        clip = CLIPVisionModel.from_pretrained(source, dtype=torch.float32)
+      else:
+        self.clip_processor = clip_processor(self.clip_config.image_size)
+        clip = load_clip_file(source, self.clip_config)
+      self.clip = clip.to(self.device).eval()
 
   def load_vae(self):
     from diffusers import AutoencoderKLWan
@@ -200,7 +205,9 @@ class WanEncoders(Encoders):
 
   def encode_image(self, frames):
     """np [B, H, W, 3] in [-1, 1] -> CLIP's penultimate hidden states [B, I, image_dim], as
-    WanImageToVideoPipeline's `encode_image` makes them from the frames as 8-bit images."""
+    WanImageToVideoPipeline's `encode_image` makes them from the frames as 8-bit images. The
+    first hidden state is the pre-norm's output (the blocks' input), so the penultimate is that
+    of every block but the last after the pre-norm: Wan's `use_31_block` of its 32."""
     import torch
     from PIL import Image
     images = [Image.fromarray(np.round((f + 1) * 127.5).clip(0, 255).astype(np.uint8)) for f in frames]
@@ -244,27 +251,34 @@ class WanEncoders(Encoders):
     return dict(text=text.masked_fill(~kept[..., None], 0).float().cpu().numpy())
 
 
-# Wan-AI's released folder (model.ckpt_path): its encoders' files, relative to it
+# Wan-AI's released folder (model.ckpt_path): its encoders' files, relative to it (Wan2.1
+# `wan/configs/wan_i2v_14B.py`'s `clip_checkpoint` for the CLIP)
 ORIGINAL_T5 = "models_t5_umt5-xxl-enc-bf16.pth"
 ORIGINAL_TOKENIZER = "google/umt5-xxl"
 ORIGINAL_VAES = {False: "Wan2.1_VAE.pth", True: "Wan2.2_VAE.pth"}  # by: is it the 2.2 TI2V 5B?
+ORIGINAL_CLIP = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
 WHAT = {"diffusers_path": "a diffusers Wan pipeline folder (with vae/, text_encoder/, tokenizer/)",
         "ckpt_path": f"Wan-AI's folder (with {ORIGINAL_T5}, {ORIGINAL_TOKENIZER}/ and its VAE .pth)",
         "llm_path": "ComfyUI's UMT5 file (umt5_xxl_fp16.safetensors or umt5_xxl_fp8_e4m3fn_scaled"
                     ".safetensors), or leave it empty"}
+# what an I2V transformer with an image embedder (2.1 I2V) needs besides
+WHAT_I2V = {"diffusers_path": "a diffusers Wan I2V pipeline folder (with image_encoder/, "
+                              "image_processor/: the transformer attends to CLIP image states)",
+            "ckpt_path": f"Wan-AI's I2V folder (with {ORIGINAL_CLIP} too)"}
 
 
 def source_rows(transformer) -> dict:
   """Where each component is found, by the config key that says it, in precedence order
   (`encoders.find_source`): ComfyUI's UMT5 file, then Wan-AI's folder (the VAE its transformer
-  takes: the 2.2 VAE for the TI2V 5B's 48 latent channels), then a diffusers folder. CLIP comes
-  from a diffusers folder only."""
+  takes: the 2.2 VAE for the TI2V 5B's 48 latent channels), then a diffusers folder. CLIP's
+  encoder and image processor come from the same place: Wan-AI's CLIP file gives both."""
   vae = ORIGINAL_VAES[transformer.out_channels == wan_model.WAN22_Z]
   return {"vae": (("ckpt_path", vae), ("diffusers_path", "vae")),
           "tokenizer": (("ckpt_path", ORIGINAL_TOKENIZER), ("diffusers_path", "tokenizer")),
           "text_encoder": (("llm_path", ""), ("ckpt_path", ORIGINAL_T5),
                            ("diffusers_path", "text_encoder")),
-          **{sub: (("diffusers_path", sub),) for sub in WanEncoders.IMAGE_COMPONENTS}}
+          **{sub: (("ckpt_path", ORIGINAL_CLIP), ("diffusers_path", sub))
+             for sub in WanEncoders.IMAGE_COMPONENTS}}
 
 
 def folder_config(keys) -> wan_model.WanConfig:
@@ -280,17 +294,17 @@ def folder_config(keys) -> wan_model.WanConfig:
     return wan_model.config_from_diffusers(json.load(f))
 
 
-def missing_error(keys, missing, rows) -> UserError:
+def missing_error(keys, missing, rows, what=WHAT) -> UserError:
   """One line: the folders that lack components (diffusers subfolder names: the files Wan-AI's
-  folder would have) and the keys that would give them."""
+  folder would have) and the keys that would give them (`what` they must be)."""
   ckpt, diffusers = keys["ckpt_path"], keys["diffusers_path"]
   if not ckpt:
     return UserError(f"{diffusers} lacks the encoder folder(s) {missing}: model.diffusers_path "
-                     f"must be {WHAT['diffusers_path']}, or set model.ckpt_path to {WHAT['ckpt_path']}")
-  files = [dict(rows[sub]).get("ckpt_path", sub) for sub in missing]
+                     f"must be {what['diffusers_path']}, or set model.ckpt_path to {what['ckpt_path']}")
+  files = list(dict.fromkeys(dict(rows[sub]).get("ckpt_path", sub) for sub in missing))
   return UserError(f"{ckpt} lacks {files}{f' and {diffusers} lacks {missing}' if diffusers else ''}: "
-                   f"model.ckpt_path must be {WHAT['ckpt_path']}, or set model.diffusers_path to "
-                   f"{WHAT['diffusers_path']}")
+                   f"model.ckpt_path must be {what['ckpt_path']}, or set model.diffusers_path to "
+                   f"{what['diffusers_path']}")
 
 
 def read_vae_config(source):
@@ -431,10 +445,15 @@ def load_checked(model, state, path, what):
   """`model` (on the meta device) given `state`, every tensor of both accounted for, or a
   one-line error naming the file."""
   missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+  check_loaded(missing, unexpected, path, what)
+  return model
+
+
+def check_loaded(missing, unexpected, path, what):
+  """A one-line error naming the file where a tensor of the model or of the file was not matched."""
   if missing or unexpected:
     raise UserError(f"{path} is not {what}: missing {missing[:3]}, unexpected {unexpected[:3]}; "
                     "give the released file")
-  return model
 
 
 # Wan's T5 encoder (`wan/modules/t5.py` of Wan2.1: `T5Encoder` with `shared_pos=False`, as
@@ -514,6 +533,114 @@ def load_umt5_file(path, dtype):
   with torch.device("meta"):
     umt5 = UMT5EncoderModel(config)
   return load_checked(umt5, {k: v.to(dtype) for k, v in tensors.items()}, path, "a UMT5 encoder")
+
+
+# Wan's CLIP (`wan/modules/clip.py` of Wan2.1: `XLMRobertaCLIP` as `clip_xlm_roberta_vit_h_14`
+# builds it; its file is that module's state dict) keeps the vision tower, a `VisionTransformer`,
+# under `visual.`: patch embedding (no bias, as pre-norm), class and position embeddings, the
+# pre-norm, pre-norm blocks (`norm1`, fused `attn.to_qkv` viewed as [3, heads, head size] rows,
+# `attn.proj`, `norm2`, `mlp` Linear-GELU-Linear-Dropout) and `post_norm`. -> transformers'
+# CLIPVisionModel, module by module. The table reads both ways: Wan-AI's file loads through it,
+# and the tiny one is written through it.
+_CLIP = "encoder.layers.{i}."
+CLIP_ROWS = (
+    Row("visual.patch_embedding", ("embeddings.patch_embedding",)),
+    Row("visual", ("embeddings",), params=(("class_embedding", "cls_embedding"),)),
+    Row("visual", ("embeddings.position_embedding",), params=(("weight", "pos_embedding"),)),
+    Row("visual.pre_norm", ("pre_layrnorm",)),
+    Row("visual.transformer.{i}.norm1", (_CLIP + "layer_norm1",)),
+    Row("visual.transformer.{i}.attn.to_qkv", tuple(_CLIP + f"self_attn.{x}_proj" for x in "qkv")),
+    Row("visual.transformer.{i}.attn.proj", (_CLIP + "self_attn.out_proj",)),
+    Row("visual.transformer.{i}.norm2", (_CLIP + "layer_norm2",)),
+    Row("visual.transformer.{i}.mlp.0", (_CLIP + "mlp.fc1",)),
+    Row("visual.transformer.{i}.mlp.2", (_CLIP + "mlp.fc2",)),
+    Row("visual.post_norm", ("post_layernorm",)),
+)
+# Wan's embeddings carry leading unit axes: the class embedding [1, 1, D], the positions' [1, N, D]
+CLIP_UNIT_AXES = {"visual.cls_embedding": 2, "visual.pos_embedding": 1}
+# the tower's projection to the joint image-text space, which CLIPVisionModel lacks (the
+# pipelines take hidden states); the rest of the file (`textual.`, `log_scale`) is XLM-R's side
+CLIP_PROJECTION = "visual.head"
+# What the file's shapes do not show, as `clip_xlm_roberta_vit_h_14` sets it and the released
+# diffusers image_encoder/config.json (laion's CLIP-ViT-H-14) says: 16 heads of 80 (1280 wide),
+# exact GELU (`activation='gelu'`, not QuickGELU), the norms' 1e-5 epsilon.
+CLIP_HEAD_DIM, CLIP_ACTIVATION, CLIP_NORM_EPS = 80, "gelu", 1e-5
+
+
+def clip_vision_config(shapes, path):
+  """transformers' CLIPVisionConfig of Wan's CLIP file from its tensor shapes (Wan's names): the
+  width, channels and patch from the patch embedding, the image side from the position count
+  (the class token's and a square of patches), the blocks and MLP width; heads of
+  `CLIP_HEAD_DIM`."""
+  from transformers import CLIPVisionConfig
+  try:
+    width, channels, patch = shapes["visual.patch_embedding.weight"][:3]
+    positions = shapes["visual.pos_embedding"][1]
+    intermediate = shapes["visual.transformer.0.mlp.0.weight"][0]
+  except KeyError as e:
+    raise UserError(f"{path} holds no CLIP vision tower (it lacks {e}): model.ckpt_path must be "
+                    f"{WHAT_I2V['ckpt_path']}, or set model.diffusers_path to "
+                    f"{WHAT_I2V['diffusers_path']}") from None
+  if width % CLIP_HEAD_DIM:
+    raise UserError(f"{path} is a CLIP vision tower {width} wide, not heads of {CLIP_HEAD_DIM} as "
+                    f"Wan's: give {ORIGINAL_CLIP}, or set model.diffusers_path to "
+                    f"{WHAT_I2V['diffusers_path']}")
+  layers = len({k.split(".")[2] for k in shapes if k.startswith("visual.transformer.")})
+  return CLIPVisionConfig(hidden_size=width, intermediate_size=intermediate,
+                          num_hidden_layers=layers, num_attention_heads=width // CLIP_HEAD_DIM,
+                          num_channels=channels, patch_size=patch,
+                          image_size=math.isqrt(positions - 1) * patch,
+                          hidden_act=CLIP_ACTIVATION, layer_norm_eps=CLIP_NORM_EPS)
+
+
+def read_clip_config(path):
+  """The config of Wan-AI's CLIP file (`clip_vision_config`), without reading its tensors."""
+  return clip_vision_config(open_tensor_file(path).shapes(), path)
+
+
+def clip_vision_tensors(path) -> dict:
+  """CLIPVisionModel's tensors (float32) from Wan's CLIP file: the vision tower through
+  `CLIP_ROWS`, `to_qkv` split into its q, k, v rows, the embeddings' unit axes dropped. The
+  text tower and `CLIP_PROJECTION` are left out; any other tower key is kept under its own
+  name, so that loading names it."""
+  wan = torch_state_dict(path)
+  tower = {k: v for k, v in wan.items() if k.startswith("visual.") and k != CLIP_PROJECTION}
+  fused = table.part_names(tower, CLIP_ROWS)
+  state = {}
+  for key, value in tower.items():
+    parts = fused.get(key, (key,))
+    value = value.float().reshape(value.shape[CLIP_UNIT_AXES.get(key, 0):])
+    state.update(zip(parts, value.chunk(len(parts))))
+  return state
+
+
+def load_clip_file(path, config):
+  """CLIPVisionModel (float32) from Wan-AI's CLIP file (`clip_vision_tensors`), every tensor of
+  both accounted for. Through `from_pretrained`: it makes the buffer the file lacks (the
+  position ids) and initialises nothing it is given."""
+  import torch
+  from transformers import CLIPVisionModel
+  clip, info = CLIPVisionModel.from_pretrained(
+      None, config=config, state_dict=clip_vision_tensors(path), dtype=torch.float32,
+      output_loading_info=True)
+  check_loaded(sorted(info["missing_keys"]), sorted(info["unexpected_keys"]), path,
+               "a CLIP vision tower of the form its shapes say")
+  return clip
+
+
+def clip_processor(image_size):
+  """The image processor of diffusers' Wan 2.1 I2V folders at `image_size` (224 released):
+  theirs, image_processor/, is laion/CLIP-ViT-H-14-laion2B-s32B-b79K's (diffusers'
+  scripts/convert_wan_to_diffusers.py), whose preprocessor_config.json resizes the shorter side
+  to 224 (bicubic), crops the centre 224 square and normalises with OpenAI CLIP's mean and std.
+  Wan's own `CLIPModel.visual` instead resizes the whole frame to the square (bicubic, from
+  floats, no crop); we follow WanImageToVideoPipeline, as a diffusers folder does."""
+  from transformers import CLIPImageProcessor
+  from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
+  return CLIPImageProcessor(size={"shortest_edge": image_size},
+                            crop_size={"height": image_size, "width": image_size},
+                            resample=PILImageResampling.BICUBIC, do_center_crop=True,
+                            image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD)
 
 
 # Smallest Wan transformer with every structural feature, in non-released dims: an odd head
@@ -666,9 +793,12 @@ def save_tiny(model, root, model_type=None) -> dict:
 
 TINY_KINDS = ("", "i2v", "ti2v")  # Wan 2.1 T2V, 2.1 I2V, 2.2 TI2V 5B
 # A CLIP vision encoder for the I2V pipeline: the tiny I2V transformer's image width, an odd
-# head count, 32-pixel images of 8-pixel patches (17 tokens)
+# head count (heads of 8, not the released 80: its Wan-AI file loads with `CLIP_HEAD_DIM` set
+# to theirs, as the tiny VAE with its statistics), 32-pixel images of 8-pixel patches (17
+# tokens), Wan's GELU
 TINY_CLIP = dict(hidden_size=TINY_I2V["image_dim"], intermediate_size=40, num_hidden_layers=3,
-                 num_attention_heads=3, image_size=32, patch_size=8, projection_dim=16)
+                 num_attention_heads=3, image_size=32, patch_size=8, projection_dim=16,
+                 hidden_act=CLIP_ACTIVATION)
 
 
 def write_tiny_pipeline(root, seed=0, kind=""):
@@ -687,12 +817,10 @@ def write_tiny_pipeline(root, seed=0, kind=""):
                scheduler=UniPCMultistepScheduler(**{
                    k: v for k, v in wan_model.RELEASED_SCHEDULER.items() if k != "_class_name"}))
   if kind == "i2v":
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
-    side = TINY_CLIP["image_size"]
+    from transformers import CLIPVisionConfig, CLIPVisionModel
     pipeline = WanImageToVideoPipeline(
         **parts, image_encoder=tiny.build(CLIPVisionModel, seed + 3, CLIPVisionConfig(**TINY_CLIP)),
-        image_processor=CLIPImageProcessor(size={"shortest_edge": side},
-                                           crop_size={"height": side, "width": side}))
+        image_processor=clip_processor(TINY_CLIP["image_size"]))
   else:
     pipeline = WanPipeline(**parts, expand_timesteps=kind == "ti2v")
   pipeline.save_pretrained(root)
@@ -704,6 +832,13 @@ def original_umt5(umt5) -> dict:
   tensors = tiny.state_dict_numpy(umt5)
   del tensors[TIED_EMBEDDING]
   return {single: tensors[parts[0]] for single, (parts, _) in table.single_file_parts(tensors, UMT5_ROWS).items()}
+
+
+def original_clip(clip) -> dict:
+  """A CLIPVisionModel's tensors under Wan's names (numpy float32), as Wan-AI's CLIP .pth holds
+  its vision tower (`CLIP_ROWS`); the text tower and the projection are not written."""
+  tensors = table.to_single_file(tiny.state_dict_numpy(clip), CLIP_ROWS)
+  return {k: v.reshape((1,) * CLIP_UNIT_AXES.get(k, 0) + v.shape) for k, v in tensors.items()}
 
 
 def original_vae(vae) -> dict:
@@ -721,10 +856,10 @@ def save_torch(tensors, path):
 def write_tiny_original(pipeline, folder):
   """Writes Wan-AI's folder of a tiny diffusers pipeline folder's models (`write_tiny_pipeline`),
   the same weights in float32: the transformer (`save_original`), the T5 .pth, the tokenizer in
-  google/umt5-xxl/ and the VAE .pth of its kind (2.2's for the TI2V 5B). An I2V pipeline's CLIP
-  is not written (its Wan-AI file is not read here). Returns folder."""
+  google/umt5-xxl/, the VAE .pth of its kind (2.2's for the TI2V 5B) and an I2V pipeline's CLIP
+  vision tower (`original_clip`). Returns folder."""
   from diffusers import AutoencoderKLWan, WanTransformer3DModel
-  from transformers import AutoTokenizer, UMT5EncoderModel
+  from transformers import AutoTokenizer, CLIPVisionModel, UMT5EncoderModel
   part = lambda cls, sub: cls.from_pretrained(os.path.join(pipeline, sub)).eval()
   transformer = part(WanTransformer3DModel, "transformer")
   save_original(transformer, folder)
@@ -733,6 +868,9 @@ def write_tiny_original(pipeline, folder):
       os.path.join(folder, ORIGINAL_TOKENIZER))
   vae = part(AutoencoderKLWan, "vae")
   save_torch(original_vae(vae), os.path.join(folder, ORIGINAL_VAES[vae.config.is_residual]))
+  if os.path.isdir(os.path.join(pipeline, "image_encoder")):
+    clip = part(CLIPVisionModel, "image_encoder")
+    save_torch(original_clip(clip), os.path.join(folder, ORIGINAL_CLIP))
   return folder
 
 

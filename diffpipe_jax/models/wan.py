@@ -527,8 +527,8 @@ FAMILY = Family(
         diffusers_path=Key(
             "", TEXT, "a diffusers Wan folder (transformer, VAE, UMT5 text encoder)"),
         ckpt_path=Key("", TEXT, "or Wan-AI's folder (config.json and the original weights, "
-                      "the T5 and VAE .pth, google/umt5-xxl/); wins over diffusers_path; an "
-                      "I2V model's CLIP still comes from diffusers_path"),
+                      "the T5 and VAE .pth, google/umt5-xxl/, and for 2.1 I2V its CLIP .pth); "
+                      "wins over diffusers_path"),
         transformer_path=Key(
             "", TEXT, "or ComfyUI's transformer (bf16 or fp8_e4m3fn .safetensors); wins over "
             "the folders"),
