@@ -5,7 +5,7 @@ Given the same initial noise, prompt embeddings, steps and guidance, the latents
 family's diffusers pipeline's (tests/test_sample.py). The schedule and the solver are its
 scheduler's (the diffusers folder's own config, else the released model's: `Family.sampling`):
 FlowMatchEulerDiscreteScheduler's Euler steps, x <- x + (sigma_next - sigma) v in float32, or
-UniPCMultistepScheduler's predictor-corrector over flow sigmas (Wan's), whose steps are linear
+UniPCMultistepScheduler's predictor-corrector over flow sigmas, whose steps are linear
 in the latents and the earlier data predictions with coefficients that the sigmas alone fix,
 computed on the host before the first step (`unipc_coefficients`). Guidance goes into the
 model's guidance embedding or is classifier-free against the negative prompt, as the family's
@@ -79,7 +79,7 @@ def euler_sigmas(scheduler: dict, steps: int, tokens: int, spacing: str) -> np.n
 
 
 # UniPCMultistepScheduler's settings that the sampler follows, with the values it supports (the
-# released Wan configs'); any other value is refused rather than sampled differently
+# released configs that name it); any other value is refused rather than sampled differently
 UNIPC_FIXED = dict(use_flow_sigmas=True, prediction_type="flow_prediction", predict_x0=True,
                    thresholding=False, solver_p=None, use_dynamic_shifting=False,
                    shift_terminal=None, use_karras_sigmas=False, use_exponential_sigmas=False,
@@ -98,7 +98,7 @@ def unipc_settings(scheduler: dict) -> dict:
   if unlike or settings["solver_type"] not in ("bh1", "bh2"):
     raise UserError(f"the scheduler config's UniPCMultistepScheduler settings "
                     f"{unlike or {'solver_type': settings['solver_type']}} are not supported: "
-                    f"the sampler follows Wan's ({UNIPC_FIXED}, solver_type bh1 or bh2)")
+                    f"the sampler follows the released configs' ({UNIPC_FIXED}, solver_type bh1 or bh2)")
   return settings
 
 
