@@ -63,8 +63,9 @@ class Sampling:
   pipeline's sigmas before the shift (`sampling.SPACINGS`): N from 1 to 1/N ("1/N"), N + 1 from
   1 to 0 without the last ("0"), or none passed, the scheduler's own ("scheduler"); how guidance
   enters: "embedded" (the guidance embedding, as `model.guidance` through `training_inputs`) or
-  "cfg" (classifier-free, against the negative prompt); the pipeline's default `steps` and `guidance`; `latent_shape(cfg, grid)`: one
-  sample's latents for a latent grid (the encoders' `latent_grid`)."""
+  "cfg" (classifier-free, against the negative prompt); the pipeline's default `steps` and
+  `guidance`; `latent_shape(cfg, grid)`: one sample's latents for a latent grid (the encoders'
+  `latent_grid`)."""
   scheduler: Callable
   spacing: str
   guidance_mode: str

@@ -112,9 +112,9 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   step = sampling.step_fn(model, config.model, guidance)
   # the experts share one shape (their modules are equal), so one step program serves them all
   assert all(other.config == model.config for other in loaded), "experts of different shapes"
-  further = [sampling.Expert(experts[k][1], loaded[k + 1].params,
-                             read_adapter(loras_2 if k == 0 else (), plain, family, placement), step)
-             for k in range(len(loaded) - 1)]
+  # each further expert serves the steps below the lowest timestep of the one before it
+  further = [sampling.Expert(below, other.params, read_adapter(given, plain, family, placement), step)
+             for (_, below), other, given in zip(experts, loaded[1:], [loras_2, *[()] * len(loaded)])]
   with tqdm(total=steps * len(texts), desc="sampling", unit="step", dynamic_ncols=True) as bar:
     latents = sampling.draw(model, model.params, read_adapter(loras, plain, family, placement),
                             config.model, prompts, steps, guidance, seed, step=step,

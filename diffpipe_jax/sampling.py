@@ -240,11 +240,6 @@ def solver(scheduler: dict, spacing: str) -> Solver:
                   "folder's scheduler/scheduler_config.json back to the released one)")
 
 
-def check_steps(steps: int):
-  if steps < 1:
-    raise UserError(f"sampling needs at least 1 step, got {steps}")
-
-
 @dataclasses.dataclass(frozen=True)
 class Steps:
   """A sampler's steps (`step_fn`): `ahead(adapter, params, batch, state, timesteps,
@@ -310,7 +305,8 @@ def denoise(model, params, adapter, model_config, conditioning: dict, noise, gri
   default made here, so compiled anew: pass one to reuse it); `place`: puts the (numpy) batch and
   noise on the devices; `progress(i)` after each step; `experts`: a model of several's further
   ones, from high noise down (params, adapter and step serving the steps above the first's)."""
-  check_steps(steps)
+  if steps < 1:
+    raise UserError(f"sampling needs at least 1 step, got {steps}")
   step = step or step_fn(model, model_config, guidance)
   place = place or (lambda tree: jax.tree.map(jnp.asarray, tree))
   timesteps, coefficients = step.solver.schedule(steps, int(np.prod(grid)))

@@ -461,6 +461,15 @@ def test_llm_path_is_comfyuis_umt5_file(pipeline, encoders, pipe, tmp_path, floa
   assert ours.identity() != encoders.identity()
 
 
+def folder_without(folder, left_out, copy):
+  """A folder of links to `folder`'s files but `left_out`."""
+  copy.mkdir()
+  for name in os.listdir(folder):
+    if name != left_out:
+      os.symlink(f"{folder}/{name}", copy / name)
+  return copy
+
+
 def refusal(**keys):
   """The one-line UserError of loading the encoders from `keys`."""
   with pytest.raises(UserError) as e:
@@ -473,11 +482,7 @@ def test_missing_wan_ai_files_are_one_line_errors(original, tmp_path):
   folder, _ = original
   assert refusal(ckpt_path=str(tmp_path / "nope")).startswith(
       f"model.ckpt_path {tmp_path}/nope does not exist: set it to Wan-AI's folder")
-  partial = tmp_path / "partial"
-  partial.mkdir()
-  for name in os.listdir(folder):
-    if name != wan.ORIGINAL_T5:
-      os.symlink(f"{folder}/{name}", partial / name)
+  partial = folder_without(folder, wan.ORIGINAL_T5, tmp_path / "partial")
   assert refusal(ckpt_path=str(partial)).startswith(
       f"{partial} lacks ['{wan.ORIGINAL_T5}']: model.ckpt_path must be Wan-AI's folder")
   assert refusal(ckpt_path=str(partial), llm_path=str(tmp_path / "x.safetensors")).startswith(
@@ -574,11 +579,7 @@ def test_wan_ai_clip_files_are_checked(original_i2v, i2v_pipeline, tmp_path, mon
   with pytest.raises(UserError, match=f"{wan.ORIGINAL_CLIP} is a CLIP vision tower 24 wide, not "
                      "heads of 80 as Wan's: give"):
     wan.read_clip_config(f"{folder}/{wan.ORIGINAL_CLIP}")
-  partial = tmp_path / "partial"
-  partial.mkdir()
-  for name in os.listdir(folder):
-    if name != wan.ORIGINAL_CLIP:
-      os.symlink(f"{folder}/{name}", partial / name)
+  partial = folder_without(folder, wan.ORIGINAL_CLIP, tmp_path / "partial")
   assert refusal(ckpt_path=str(partial)).startswith(
       f"{partial} lacks ['{wan.ORIGINAL_CLIP}']: model.ckpt_path must be Wan-AI's I2V folder")
   tiny_clip_loads(monkeypatch, i2v_pipeline)
