@@ -88,12 +88,10 @@ RECIPES = {
                  "dataset.num_ar_buckets": 1, "dataset.frame_buckets": "(1, 33)"},
         step=dict(model="wan", res=480, width=832, frames=33),
         cards={"80": dict(overrides={}, modes="per-block remat", swap=0),
-               # a guess, to be measured: the fp8 blocks are 0.33 GiB each, and HunyuanVideo's
-               # other memory at 24 GiB (BENCHMARKS.md#hunyuan-step-swap, about 11 GiB at 9.5k
-               # tokens), scaled to Wan's 14k tokens of width 5120, leaves about ten blocks on the
-               # device in JAX's 18 GiB
-               "24": dict(overrides={"model.transformer_dtype": "float8", "blocks_to_swap": 30},
-                          modes="fp8 base + per-block remat (unrolled)", swap=30)}),
+               # all 40 blocks swapped: as fast as 30, whose bare step's peak is too close to
+               # JAX's 18 GiB (BENCHMARKS.md#wan-step)
+               "24": dict(overrides={"model.transformer_dtype": "float8", "blocks_to_swap": 40},
+                          modes="fp8 base + per-block remat (unrolled)", swap=40)}),
 }
 PROMPTS = ("a photograph of a red cube on a wooden table, morning light",
            "a watercolour of a lighthouse at dusk")
@@ -265,6 +263,13 @@ def main():
       print("\n".join(line for _, line in result["lines"][-15:]), flush=True)
       raise SystemExit(1)
 
+  def earlier(phase, key):
+    """A figure of a phase run before, in this call or an earlier one (a.json)."""
+    if results.get(phase, {}).get("rc") != 0:
+      raise SystemExit(f"--phases {a.phases} needs the {phase} phase's figures in {figures}: "
+                       f"run that phase first")
+    return results[phase][key]
+
   config = os.path.join(a.out, "job_config.py")
   if a.smoke:
     config_arg, keys = f"configs/{recipe['config']}.py:tiny", {"epochs": a.epochs}
@@ -293,14 +298,15 @@ def main():
   # training: an eval, a sample, an export and a checkpoint each after a step of its own, after
   # the first epoch (which compiles each bucket): each one's time is its step's excess over the
   # median step. Then the last step's checkpoint and export; the resume trains the last two.
-  per_epoch = results["cache"]["steps_per_epoch"]
-  at = {k: per_epoch + 2 * (i + 1) for i, k in enumerate(("eval", "sample", "save", "checkpoint"))}
-  total = max(a.epochs * per_epoch, at["checkpoint"] + 4)
-  train_keys = dict(keys, epochs=-(-total // per_epoch), max_steps=total - 2, eval_before_first_step=False,
-                    sample_before_first_step=False, eval_every_n_epochs=0, eval_every_n_steps=at["eval"],
-                    sample_every_n_epochs=0, sample_every_n_steps=at["sample"], save_every_n_epochs=0,
-                    save_every_n_steps=at["save"], checkpoint_every_n_steps=at["checkpoint"],
-                    checkpoint_every_n_minutes=0)
+  if {"train", "resume"} & set(phases):
+    per_epoch = earlier("cache", "steps_per_epoch")
+    at = {k: per_epoch + 2 * (i + 1) for i, k in enumerate(("eval", "sample", "save", "checkpoint"))}
+    total = max(a.epochs * per_epoch, at["checkpoint"] + 4)
+    train_keys = dict(keys, epochs=-(-total // per_epoch), max_steps=total - 2, eval_before_first_step=False,
+                      sample_before_first_step=False, eval_every_n_epochs=0, eval_every_n_steps=at["eval"],
+                      sample_every_n_epochs=0, sample_every_n_steps=at["sample"], save_every_n_epochs=0,
+                      save_every_n_steps=at["save"], checkpoint_every_n_steps=at["checkpoint"],
+                      checkpoint_every_n_minutes=0)
   if "train" in phases:
     r = run("train", base + flags(train_keys), a.out, env)
     if r["rc"]:
@@ -319,7 +325,8 @@ def main():
            steady_steps=len(uncompiled),
            jax_peak_gib=max(peaks, default=None), **{f"{k}_s": times[s + 1] - median for k, s in at.items()},
            final_save_s=r["seconds"] - (steps[-1][1] - r["start"]))
-  run_dir = results["train"]["run_dir"]
+  if {"resume", "sample_command"} & set(phases):
+    run_dir = earlier("train", "run_dir")
 
   if "resume" in phases:  # the time to its first step
     r = run("resume", base + flags(dict(train_keys, max_steps=total)) + [

@@ -49,7 +49,9 @@ MODES = {"no remat": dict(remat="none", transformer_dtype=""),
          "fp8 base + per-block remat": dict(remat="block", transformer_dtype="float8"),
          "fp8 base + per-block remat (unrolled)": dict(remat="block", transformer_dtype="float8",
                                                        unrolled=True),
-         "fp8 base + per-block remat (offload)": dict(remat="block_offload", transformer_dtype="float8")}
+         "fp8 base + per-block remat (offload)": dict(remat="block_offload", transformer_dtype="float8"),
+         "fp8 base + per-block remat (offload, unrolled)": dict(remat="block_offload",
+                                                                transformer_dtype="float8", unrolled=True)}
 CEILING_TFLOPS = 810.0  # measured bf16 matmul rate of the H200 (REFERENCE.md section 5)
 OOM = "OOM"  # the result of a run that ran out of device memory
 # how a process that ran out of device memory ends: torch's OutOfMemoryError, XLA's

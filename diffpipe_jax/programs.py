@@ -12,7 +12,9 @@ the unrolled step split into programs per block").
 
 A block call under `jax.checkpoint` (per-block remat) keeps the residuals its policy saves; an
 input in pinned host memory (a swapped block's frozen weights) is copied to the device a few
-programs before the program that reads it (`_HostCopies`), forward and backward.
+programs before the program that reads it (`_HostCopies`), forward and backward. With
+`offload`, a block's input that only its backward program reads again waits in pinned host
+memory too, copied back the same way.
 
 `ahead_of_calls` takes the values a function marks `ahead` out of a loop of its calls: one
 program computes them for every call at once.
@@ -183,6 +185,7 @@ class Piece:
   outs: tuple  # its results' variables
   policy: Callable = keeps_for_backward  # what its forward program keeps for the backward one
   frees: tuple = ()  # variables last read by this piece
+  block: bool = False  # a block call (else a stretch of equations between them)
 
 
 def block_call(eqn) -> Optional[tuple]:
@@ -216,7 +219,7 @@ def pieces(closed) -> list:
     defined = {v for e in eqns for v in e.outvars}
     if call:
       (eqn,) = eqns
-      piece = Piece(call[0], tuple(eqn.invars), tuple(eqn.outvars), call[1])
+      piece = Piece(call[0], tuple(eqn.invars), tuple(eqn.outvars), call[1], block=True)
     else:
       ins = tuple(dict.fromkeys(v for e in eqns for v in e.invars
                                 if isinstance(v, core.Var) and v not in defined))
@@ -467,19 +470,36 @@ def _differentiated_inputs(jaxpr, steps, n_diff) -> list:
   return plan
 
 
-def value_and_grad(fn, jit_options=JIT_OPTIONS):
+def _offloadable_inputs(jaxpr, steps, plan) -> list:
+  """For each piece in order, the positions of its inputs that `value_and_grad(offload=True)`
+  moves to host memory: a block's differentiated inputs that an earlier piece computed and no
+  later one reads (the activations it takes from the block before, not a weight or what every
+  block reads)."""
+  given = set(jaxpr.invars) | set(jaxpr.constvars)
+  return [tuple(k for k, (v, d) in enumerate(zip(piece.ins, differentiated))
+                if piece.block and d and v in piece.frees and v not in given)
+          for piece, differentiated in zip(steps, plan)]
+
+
+def value_and_grad(fn, jit_options=JIT_OPTIONS, offload=False):
   """jax.value_and_grad(fn) (of its first argument, a tree of inexact arrays; fn returns a
   scalar), run piece by piece: forward programs in order, backward programs in reverse, each
-  jitted with `jit_options`."""
+  jitted with `jit_options`. `offload`: each block's input that its backward program reads
+  again (under per-block remat, what the backward pass keeps of the block) is copied to pinned
+  host memory as the block's forward program is dispatched, and back to the device
+  `COPY_AHEAD` programs before its backward program, so that the device holds a few of them
+  rather than one a block."""
   trace = _cached_trace(fn)
-  plans = {}  # id(a trace) -> `_differentiated_inputs`
+  plans = {}  # id(a trace) -> (`_differentiated_inputs`, `_offloadable_inputs` or nothing)
 
   def run(*args):
     env, t = trace(args)
     n_diff = len(jax.tree.leaves(args[0]))
     if id(t) not in plans:
-      plans[id(t)] = _differentiated_inputs(t.jaxpr, t.steps, n_diff)
-    plan, tape, finished = plans[id(t)], [], collections.deque(maxlen=COPY_WAIT)
+      plan = _differentiated_inputs(t.jaxpr, t.steps, n_diff)
+      plans[id(t)] = plan, (_offloadable_inputs(t.jaxpr, t.steps, plan) if offload
+                            else [()] * len(t.steps))
+    (plan, offloaded), tape, finished = plans[id(t)], [], collections.deque(maxlen=COPY_WAIT)
 
     def forward(n, piece, originals, ins):
       differentiated = plan[n]
@@ -490,11 +510,15 @@ def value_and_grad(fn, jit_options=JIT_OPTIONS):
         t.programs[key] = _Differentiated(piece.jaxpr, differentiated, piece.policy, jit_options)
       program = t.programs[key]
       outs, residuals = program.forward(*program.ordered(ins))
-      # What the backward program reads again; host inputs stay there, to be copied again.
-      kept = program.kept(originals)
+      # What the backward program reads again; host inputs stay there, to be copied again, and
+      # offloaded ones go there (the device frees its copy once no later program reads it).
+      kept, hosts = program.kept(originals), {}
       in_host = t.host.get(n, ())
-      hosts = {j: kept[j] for j, k in enumerate(program.backward_order)
-               if k in in_host and kept[j] is not None} if in_host else {}
+      for j, k in enumerate(program.backward_order):
+        if kept[j] is not None and k in offloaded[n]:
+          kept[j] = jax.device_put(kept[j], kept[j].sharding.with_memory_kind("pinned_host"))
+        if kept[j] is not None and (k in in_host or k in offloaded[n]):
+          hosts[j] = kept[j]
       tape.append((n, program, residuals, kept, hosts))
       return outs
 

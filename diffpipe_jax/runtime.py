@@ -33,13 +33,13 @@ REMAT_POLICIES = {
 def unrolled_or_default(unrolled: Optional[bool], remat: str, pipelined: bool, swapped: bool) -> bool:
   """`unrolled` as set, or where it is None the faster mode of the run
   (BENCHMARKS.md#scanned-or-unrolled): unrolled on one stage without remat (the scan would stack
-  every block's residuals) or with swapped blocks (their copies hidden per layer); otherwise
-  scanned, which a pipeline and "block_offload" need, and which with per-block remat is as fast
-  or faster (its one program is GPU-bound, where the unrolled step's per-block programs wait on
-  the host)."""
+  every block's residuals) or with swapped blocks (their copies hidden per layer, and with
+  "block_offload" the block inputs' copies too); otherwise scanned, which a pipeline needs, and
+  which with per-block remat is as fast or faster (its one program is GPU-bound, where the
+  unrolled step's per-block programs wait on the host)."""
   if unrolled is not None:
     return unrolled
-  return not pipelined and remat != "block_offload" and (remat == "none" or swapped)
+  return not pipelined and (remat == "none" or swapped)
 
 
 def unrolled_for(config) -> bool:
@@ -57,10 +57,13 @@ def remat_policy(remat: str, unrolled: bool = False, pipelined: bool = False, sw
   settings that decide how the blocks run."""
   if remat not in REMAT_POLICIES:
     raise UserError(f"activation_checkpointing={remat!r}; use one of {sorted(REMAT_POLICIES)}")
-  if unrolled and (remat == "block_offload" or pipelined):
-    raise UserError(f"unrolled=True unrolls the blocks of one-stage runs that keep block "
-                    f"inputs on the device (activation_checkpointing={remat!r}, pipelined: "
-                    f"{pipelined}); set unrolled=False")
+  if unrolled and pipelined:
+    raise UserError("unrolled=True unrolls the blocks of one-stage runs (pipeline_stages=1); "
+                    "set unrolled=False")
+  if swapped and not unrolled and remat == "block_offload":
+    raise UserError("activation_checkpointing='block_offload' with blocks_to_swap runs unrolled "
+                    "(scanned, the swapped blocks' inputs stay on the device); set unrolled=True "
+                    "or leave it unset")
   if pipelined and swapped:
     raise UserError(stacks_lib.SWAP_NEEDS_ONE_STAGE)
   return REMAT_POLICIES[remat]
@@ -110,8 +113,11 @@ class Runtime:
 
   def run_stacks(self, stacks, x, per_sample, shared, *, key=None):
     """What a model calls to run its block stacks (`stacks.Stack`s): through the pipeline, or on
-    one device (`stacks.run_stacks`), each block under the remat policy."""
-    policy = REMAT_POLICIES[self.remat]
+    one device (`stacks.run_stacks`), each block under the remat policy. Unrolled,
+    "block_offload" runs each block as "block" does, and `value_and_grad` moves the block inputs
+    that the backward pass keeps to host memory between programs."""
+    offloaded_by_programs = self.unrolled and self.remat == "block_offload"
+    policy = REMAT_POLICIES["block" if offloaded_by_programs else self.remat]
     if self.pipeline is not None:
       return self.pipeline.run(stacks, x, per_sample, shared, remat=policy, key=key)
     return stacks_lib.run_stacks(stacks, x, per_sample, shared, remat=policy, key=key,
@@ -145,7 +151,8 @@ class Runtime:
 
   def value_and_grad(self, fn, jit_options=programs.JIT_OPTIONS):
     """jax.value_and_grad(fn) of its first argument: traced whole (to be jitted), or with the
-    layers unrolled, run as programs per block, each jitted with `jit_options`."""
+    layers unrolled, run as programs per block, each jitted with `jit_options` (with
+    "block_offload", the block inputs kept for the backward pass wait in host memory)."""
     if self.unrolled:  # (whose matmul policy is the default)
-      return programs.value_and_grad(fn, jit_options)
+      return programs.value_and_grad(fn, jit_options, offload=self.remat == "block_offload")
     return self.traced(jax.value_and_grad(fn))

@@ -99,10 +99,10 @@ SHARED = {
     "unrolled": Key(
         None, Rule("True, False or None (True where it can be)",
                    lambda v: v is None or isinstance(v, bool)),
-        'True (one stage; any activation_checkpointing but "block_offload"): the blocks unrolled '
-        "and the step run as programs per block; False: scanned, one program. None: the faster "
-        "of the two for the run (runtime.unrolled_or_default): unrolled without remat or with "
-        "blocks_to_swap, scanned otherwise", field_type=bool),
+        "True (one stage): the blocks unrolled and the step run as programs per block; False: "
+        "scanned, one program. None: the faster of the two for the run "
+        "(runtime.unrolled_or_default): unrolled without remat or with blocks_to_swap, scanned "
+        "otherwise", field_type=bool),
     "compilation_cache_dir": Key(
         "~/.cache/diffpipe-jax/xla", TEXT,
         "compiled programs (and XLA's GPU autotuning results) kept across runs, so that a "

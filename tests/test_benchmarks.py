@@ -472,6 +472,17 @@ def test_full_job_reads_step_times_from_the_runs_events_and_rates_from_its_bars(
   assert full_job.bar_rate(dict(lines=lines), "caching captions") is None
 
 
+def test_full_job_phases_read_only_the_figures_they_need(tmp_path, monkeypatch):
+  """`--phases` runs some phases: one that needs no other's figures (the bare step) runs
+  without them; one that does (the resume: the training's steps and run) says which to run."""
+  def job(phases):
+    monkeypatch.setattr(sys, "argv", ["full_job.py", "--smoke", "--phases", phases, "--out", str(tmp_path)])
+    full_job.main()
+  job("train_step")  # (--smoke skips the bare step itself)
+  with pytest.raises(SystemExit, match="needs the cache phase's figures"):
+    job("resume")
+
+
 @pytest.mark.parametrize("family", sorted(full_job.RECIPES))
 def test_full_job_recipes_name_keys_the_configs_have(family, tmp_path):
   """Each family's recipe in full_job.py, the file it writes as a user would and its overrides,

@@ -112,6 +112,34 @@ def test_remat_blocks_keep_no_residuals_and_host_weights_are_copied_once_a_pass(
     assert copied == ["pinned_host"] * len(swapped), copied
 
 
+def test_offloaded_block_inputs_wait_in_host_memory(monkeypatch):
+  """`offload`: each remat block's input that only its backward program reads again (the one
+  from the piece before; not a weight, the LoRA, nor the scale every block reads) is copied to
+  pinned host memory after its forward program and back once for its backward program;
+  swapped weights are copied as before, and everything gives what jax gives."""
+  n_layers, swapped = 5, (1, 3)
+  args = arguments(n_layers, 8)
+  want_value, want_grad = jax.value_and_grad(model)(*args)
+  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  weights = [jax.device_put(w, host) if i in swapped else w for i, w in enumerate(args[1])]
+  moves, device_put = [], jax.device_put
+
+  def recorded(x, *a, **k):
+    out = device_put(x, *a, **k)
+    moves.extend((src.sharding.memory_kind, dst.sharding.memory_kind, src.shape)
+                 for src, dst in zip(jax.tree.leaves(x), jax.tree.leaves(out)))
+    return out
+  monkeypatch.setattr(jax, "device_put", recorded)
+  remat = functools.partial(model, remat=jax.checkpoint_policies.nothing_saveable)
+  value, grad = programs.value_and_grad(remat, offload=True)(args[0], weights, *args[2:])
+  assert_close(value, want_value, what="value")
+  assert_close(grad, want_grad, what="gradient")
+  block_input, weight = args[2].shape, args[1][0].shape
+  assert sorted(moves) == sorted([("device", "pinned_host", block_input)] * n_layers
+                                 + [("pinned_host", "device", block_input)] * n_layers
+                                 + [("pinned_host", "device", weight)] * 2 * len(swapped)), moves
+
+
 class Modulated(nn.Module):
   """A block modulated by an embedding of the time (marked `ahead`), whose matmul reads a slice
   of its weight, and which marks a value of its input too."""

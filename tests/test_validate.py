@@ -147,7 +147,7 @@ def test_a_run_stops_on_a_bad_value_before_writing_anything(tmp_path, monkeypatc
 
 def test_unrolled_by_default_where_it_is_faster():
   """`unrolled` unset (the released configs): the blocks unrolled on one stage without remat or
-  with swapped blocks, scanned with per-block remat and for a pipeline and "block_offload";
+  with swapped blocks, scanned with per-block remat and for a pipeline;
   set, as set (refused where it cannot be)."""
   from diffpipe_jax import runtime
   assert family_config("flux", "").unrolled is None
@@ -156,7 +156,8 @@ def test_unrolled_by_default_where_it_is_faster():
   assert not runtime.unrolled_or_default(None, "block", pipelined=False, swapped=False)
   assert not runtime.unrolled_or_default(None, "block_save_dots", pipelined=False, swapped=False)
   assert not runtime.unrolled_or_default(None, "none", pipelined=True, swapped=False)
-  assert not runtime.unrolled_or_default(None, "block_offload", pipelined=False, swapped=True)
+  assert runtime.unrolled_or_default(None, "block_offload", pipelined=False, swapped=True)
+  assert not runtime.unrolled_or_default(None, "block_offload", pipelined=False, swapped=False)
   assert runtime.unrolled_or_default(True, "block", pipelined=False, swapped=False)
   assert not runtime.unrolled_or_default(False, "none", pipelined=False, swapped=False)
   for overrides, unrolled in ((dict(pipeline_stages=2), False), (dict(blocks_to_swap=2), True),
@@ -168,4 +169,8 @@ def test_unrolled_by_default_where_it_is_faster():
     assert validate.combination_problems(config) == []
   config.update_from_flattened_dict({"unrolled": True, "pipeline_stages": 2})
   with pytest.raises(UserError, match="set unrolled=False"):
+    runtime.unrolled_for(config)
+  config.update_from_flattened_dict({"unrolled": False, "pipeline_stages": 1, "blocks_to_swap": 2,
+                                     "activation_checkpointing": "block_offload"})
+  with pytest.raises(UserError, match="set unrolled=True or leave it unset"):
     runtime.unrolled_for(config)
