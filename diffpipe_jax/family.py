@@ -65,13 +65,16 @@ class Sampling:
   enters: "embedded" (the guidance embedding, as `model.guidance` through `training_inputs`) or
   "cfg" (classifier-free, against the negative prompt); the pipeline's default `steps` and
   `guidance`; `latent_shape(cfg, grid)`: one sample's latents for a latent grid (the encoders'
-  `latent_grid`)."""
+  `latent_grid`); `given(cfg, conditioning, latents)`: the drawn latents with what the
+  conditioning gives of them in place (a first frame the model takes clean), as the pipeline
+  returns them."""
   scheduler: Callable
   spacing: str
   guidance_mode: str
   steps: int
   guidance: float
   latent_shape: Callable
+  given: Callable = lambda cfg, conditioning, latents: latents
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

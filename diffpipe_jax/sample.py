@@ -149,7 +149,8 @@ def define_flags():
                             "(its low-noise one), as --lora; --lora's go to the first")
   flags.DEFINE_multi_string("prompt", None, "a prompt, or a .txt file of a prompt a line; repeat for several")
   flags.DEFINE_multi_string("image", None, "an image-to-video model's first frame, an image file a "
-                            "prompt, in their order; repeat for several")
+                            "prompt, in their order; repeat for several (a model that also "
+                            "draws from text alone takes one a prompt or none)")
   flags.DEFINE_string("negative_prompt", None, "classifier-free families: what the samples are "
                       "guided away from (default: the config's sample_negative_prompt)")
   flags.DEFINE_string("out", "samples", "a folder, or a file: .png, .jpg, .webp (images), .mp4, .webm "

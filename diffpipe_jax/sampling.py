@@ -14,6 +14,7 @@ modulations) is computed for every step at once, before the first (`programs.ahe
 """
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -310,6 +311,7 @@ def denoise(model, params, adapter, model_config, conditioning: dict, noise, gri
   step = step or step_fn(model, model_config, guidance)
   place = place or (lambda tree: jax.tree.map(jnp.asarray, tree))
   timesteps, coefficients = step.solver.schedule(steps, int(np.prod(grid)))
+  given = functools.partial(model.family.sampling.given, model.config, conditioning)
   if model.family.sampling.guidance_mode == "cfg":
     if uncond is None:
       raise ValueError("classifier-free guidance needs the negative prompt's embeddings (uncond)")
@@ -336,7 +338,7 @@ def denoise(model, params, adapter, model_config, conditioning: dict, noise, gri
     state = e.step.step(ahead[i], e.adapter, e.params, batch, state, timesteps[i], coefficients[i])
     if progress is not None:
       progress(i)
-  return state[0]
+  return given(state[0])
 
 
 def prompt_lines(entries: Sequence[str]) -> list:
@@ -367,15 +369,19 @@ def checked_size(encoders, frames: int, height: int, width: int):
 
 def check_first_frames(encoders, prompts: int, images: Sequence[str], key="sample_images"):
   """A one-line error unless an image-to-video model has a first frame (`key`, an existing image
-  file) for each of the `prompts`, or another model none."""
+  file) for each of the `prompts`, a model that may take them (`takes_first_frame`) one each or
+  none, and another model none."""
   if not encoders.takes_first_frame:
     if images:
       raise UserError(f"{key}: this model takes no first frame (it is no image-to-video model); "
                       "leave it empty")
     return
-  if len(images) != prompts:
+  if encoders.needs_first_frame and len(images) != prompts:
     raise UserError(f"{key}: an image-to-video model's samples start from a first frame: give "
                     f"one image per prompt ({prompts}), not {len(images)}")
+  if images and len(images) != prompts:
+    raise UserError(f"{key}: give one first frame per prompt ({prompts}), or none to draw from "
+                    f"the text alone; not {len(images)}")
   missing = [path for path in images if not os.path.isfile(path)]
   if missing:
     raise UserError(f"{key}: {media.listed(missing)} do(es) not exist")

@@ -221,7 +221,8 @@ SHARED = {
         (), Rule("a list of image files", lambda v: isinstance(v, (tuple, list)) and all(
             isinstance(p, str) for p in v)),
         "an image-to-video model's samples: each prompt's first frame, an image a prompt in "
-        "their order, resized and centre-cropped to the sample size"),
+        "their order, resized and centre-cropped to the sample size (a model that also draws "
+        "from text alone takes them or none)"),
     "sample_negative_prompt": Key(
         "", TEXT, "a family with classifier-free guidance: what its samples are guided away from "
         "(\"\": the empty prompt, the diffusers pipelines' default)"),

@@ -225,7 +225,7 @@ def test_the_ti2v_pipeline_runs_in_wan_pipeline(ti2v_pipeline):
                output_type="np").frames
   assert video.shape == (1, 5, 32, 64, 3) and np.isfinite(video).all()
   encoders = WanEncoders.load(root)
-  assert encoders.first_frame == "clean" and not encoders.takes_first_frame
+  assert encoders.first_frame == "clean" and not encoders.needs_first_frame
   assert (encoders.frame_rate, WanEncoders.load(root, frame_rate=30).frame_rate) == (24, 30)
   pixels = clips(5, 32, 64, batch=1)
   fields = encoders.encode_fields(pixels)
@@ -350,6 +350,52 @@ def test_i2v_samples_are_the_i2v_pipelines(i2v_pipeline, tmp_path):
     sampling.check_first_frames(encoders, 1, ())
   with pytest.raises(UserError, match="this model takes no first frame"):
     sampling.check_first_frames(WanEncoders.load(wan.write_tiny_pipeline(str(tmp_path / "t2v"))), 1, paths[:1])
+
+
+def test_ti2v_samples_from_first_frames_are_the_i2v_pipelines(ti2v_pipeline, tmp_path):
+  """The TI2V 5B's samples from first frames equal WanImageToVideoPipeline's with
+  `expand_timesteps` (the frame's latents in place of the first latent frame, its tokens at t =
+  0, and in the result); from text alone, WanPipeline's. It takes a first frame a prompt or
+  none."""
+  import jax
+  from PIL import Image
+  from diffusers import WanImageToVideoPipeline
+  from conftest import family_config
+  from diffpipe_jax import family as family_lib, models
+  frames, height, width, steps, guidance = 5, 32, 64, 3, 4.5
+  paths = []
+  for i in range(2):
+    paths.append(str(tmp_path / f"{i}.png"))
+    Image.fromarray(tiny.pattern(i, width, height)).save(paths[-1])
+  model_config = family_config("wan").model
+  model_config.diffusers_path = ti2v_pipeline
+  fam = family_lib.get("wan")
+  model = models.load("wan", fam.checkpoint_path(model_config), progress=False)
+  encoders = WanEncoders.load(ti2v_pipeline)
+  assert encoders.takes_first_frame and not encoders.needs_first_frame
+  texts = ["a red pattern", "blue"]
+  text_pipe = WanPipeline.from_pretrained(ti2v_pipeline)
+  image_pipe = WanImageToVideoPipeline(**text_pipe.components, expand_timesteps=True)
+  for images in (paths, ()):
+    prompts = sampling.encode_prompts(fam, encoders, texts, frames, height, width, images=images)
+    assert ("first_frame" in prompts.conditioning) == bool(images)
+    noise = np.random.default_rng(0).standard_normal((2, wan_model.WAN22_Z, *prompts.grid)).astype(np.float32)
+    ours = np.asarray(jax.device_get(sampling.denoise(
+        model, model.params, None, model_config, prompts.conditioning, noise, prompts.grid, steps,
+        guidance, uncond=prompts.uncond)))
+    for i in range(len(texts)):  # the pipelines take one image a call
+      pipe, image = (image_pipe, dict(image=Image.open(paths[i]))) if images else (text_pipe, {})
+      with torch.no_grad():
+        want = pipe(**image, prompt_embeds=torch.from_numpy(prompts.conditioning["text"][i:i + 1]),
+                    negative_prompt_embeds=torch.from_numpy(prompts.uncond["text"]),
+                    latents=torch.from_numpy(noise[i:i + 1]), height=height, width=width,
+                    num_frames=frames, num_inference_steps=steps, guidance_scale=guidance,
+                    output_type="latent", return_dict=False)[0]
+      assert_close(ours[i:i + 1], want.numpy(), what=f"images {bool(images)}, prompt {i}")
+    if images:  # the given frame, as the pipeline returns it
+      np.testing.assert_array_equal(ours[:, :, :1], prompts.conditioning["first_frame"])
+  with pytest.raises(UserError, match="give one first frame per prompt \\(2\\), or none"):
+    sampling.check_first_frames(encoders, 2, paths[:1])
 
 
 # ---- Wan-AI's folder and ComfyUI's UMT5 file ------------------------------------------------------

@@ -82,8 +82,10 @@ class Encoders:
   together (`load_media_encoders`), the text encoders together after them."""
   components = {}
   media_components = ("vae",)  # attributes of the components the media pass uses
-  # whether the model's samples start from a given first frame (`first_frame_fields`)
+  # whether the model's samples may start from a given first frame (`first_frame_fields`), and
+  # whether they must (an image-to-video model: one a prompt; otherwise one a prompt or none)
   takes_first_frame = False
+  needs_first_frame = False
   frame_rate = None  # frames per second videos are decoded at; None: the family takes images only
   frames_per_latent = None  # a clip has 1 + k * this many frames (the VAE's temporal factor)
 

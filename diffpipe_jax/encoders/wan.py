@@ -52,6 +52,12 @@ class WanEncoders(Encoders):
 
   @property
   def takes_first_frame(self):
+    return self.first_frame in ("channels", "clean")
+
+  @property
+  def needs_first_frame(self):
+    """An I2V transformer's input channels take a first frame; the TI2V 5B draws from text alone
+    too."""
     return self.first_frame == "channels"
 
   @classmethod
@@ -187,15 +193,19 @@ class WanEncoders(Encoders):
     """The latents, and for an I2V transformer what WanImageToVideoPipeline makes of the clip's
     first frame (`first_frame_fields`)."""
     fields = super().encode_fields(pixels)
-    if self.takes_first_frame:
+    if self.needs_first_frame:
       fields.update(self.first_frame_fields(pixels[:, 0], pixels.shape[1]))
     return fields
 
   def first_frame_fields(self, images, frames) -> dict:
-    """What an I2V transformer is given of first frames `images` (np [N, H, W, 3] in [-1, 1]) for
-    clips of `frames` frames, as WanImageToVideoPipeline makes it: `condition`, the latents of
-    the frame followed by black frames (its `video_condition`; an image's are its latents), and,
-    where the transformer has an image embedder, `image`, the frame's CLIP states."""
+    """What the transformer is given of first frames `images` (np [N, H, W, 3] in [-1, 1]) for
+    clips of `frames` frames, as WanImageToVideoPipeline makes it. An I2V transformer:
+    `condition`, the latents of the frame followed by black frames (its `video_condition`; an
+    image's are its latents), and, where it has an image embedder, `image`, the frame's CLIP
+    states. The TI2V 5B: `first_frame`, the frame's latents, which replace the first latent
+    frame (`expand_timesteps`)."""
+    if self.first_frame == "clean":
+      return dict(first_frame=self.encode_media(images[:, None]))
     video = np.zeros((len(images), frames, *images.shape[1:]), np.float32)
     video[:, 0] = images
     fields = dict(condition=self.encode_media(video))

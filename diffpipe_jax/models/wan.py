@@ -465,11 +465,29 @@ def first_frame_mask(cfg: WanConfig, latents):
   return jnp.broadcast_to(first, (b, channels, f, h, w))
 
 
+def with_first_frame(cfg: WanConfig, conditioning: dict, latents):
+  """Latents [B, C, F, H, W] with the TI2V 5B's given first frame (`first_frame`, its latents
+  [B, C, F0, H, W], where the conditioning has one) in place of the first F0 latent frames."""
+  if "first_frame" not in conditioning:
+    return latents
+  first = jnp.asarray(conditioning["first_frame"], latents.dtype)
+  return jnp.concatenate([first, latents[:, :, first.shape[2]:]], axis=2)
+
+
 def training_inputs(model_config, cfg: WanConfig, batch: dict, noisy, t) -> dict:
   """Model inputs for a batch of cached samples: latents [B, C, F, H, W] (here already noised),
   UMT5 states `text` [B, 512, D] (zero after each prompt); t [B] or per token [B, L], in [0, 1].
   An I2V model's input channels join the mask and the first frame's latents (`condition`), and
-  it attends to the first frame's CLIP states (`image`) where it has an image embedder."""
+  it attends to the first frame's CLIP states (`image`) where it has an image embedder. The
+  TI2V 5B drawing from a first frame (`first_frame`, the samples' conditioning) takes it in place
+  of its first latent frames, their tokens at t = 0, as WanImageToVideoPipeline gives it
+  (`expand_timesteps`)."""
+  if "first_frame" in batch:
+    clean_frames = -(-batch["first_frame"].shape[2] // cfg.patch_size[0])
+    grid = [n // s for n, s in zip(noisy.shape[2:], cfg.patch_size)]
+    clean = (jnp.arange(grid[0]) < clean_frames)[:, None, None]
+    clean = jnp.broadcast_to(clean, grid).reshape(1, -1)  # [1, L]
+    noisy, t = with_first_frame(cfg, batch, noisy), jnp.where(clean, 0.0, t.reshape(len(t), -1))
   hidden_states = noisy
   if first_frame_input(cfg) == "channels":
     hidden_states = jnp.concatenate([noisy, first_frame_mask(cfg, noisy),
@@ -507,7 +525,7 @@ RELEASED_SCHEDULER = dict(_class_name="UniPCMultistepScheduler", prediction_type
                           use_flow_sigmas=True, flow_shift=3.0)
 SAMPLING = Sampling(
     scheduler=lambda cfg: RELEASED_SCHEDULER, spacing="scheduler", guidance_mode="cfg", steps=50,
-    guidance=5.0, latent_shape=lambda cfg, grid: (cfg.out_channels, *grid))
+    guidance=5.0, latent_shape=lambda cfg, grid: (cfg.out_channels, *grid), given=with_first_frame)
 
 
 FAMILY = Family(
