@@ -61,12 +61,13 @@ def read_adapter(loras, plain, family, placement):
 
 def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, guidance=-1.0,
         frames=0, height=0, width=0, seed=None, images: Sequence[str] = (), negative=None,
-        loras_2: Sequence[str] = ()) -> list:
+        loras_2: Sequence[str] = (), guidance_2=-1.0) -> list:
   """The sampling command: the config's base model with `loras` (path[:scale] each), every
   prompt at the config's sample settings unless given (an image-to-video model's from the
   first frame of each, `images`; guided away from `negative`, by default the config's
   sample_negative_prompt). A checkpoint of two experts (`Family.sampling_experts`) samples with
-  both, as its pipeline switches between them, `loras` on the first, `loras_2` on the second.
+  both, as its pipeline switches between them, `loras` on the first, `loras_2` on the second
+  (guided by `guidance_2`, by default the config's sample_guidance_2 or the first's).
   Writes `output_paths(out, ...)`, each beside a .txt of its prompt. Returns the paths written."""
   family = family_lib.get(config.model.type)
   validate.check(config, family)
@@ -110,10 +111,13 @@ def run(config, loras: Sequence[str], texts: Sequence[str], out: str, steps=0, g
   steps, guidance = steps or default_steps, default_guidance if guidance < 0 else guidance
   seed = config.sample_seed if seed is None else seed
   step = sampling.step_fn(model, config.model, guidance)
-  # the experts share one shape (their modules are equal), so one step program serves them all
+  # the experts share one shape (their modules are equal), so one step program serves them all,
+  # where they share the guidance too
   assert all(other.config == model.config for other in loaded), "experts of different shapes"
+  guidance_2 = sampling.second_guidance(config, guidance, guidance_2)
+  step_2 = step if guidance_2 == guidance else sampling.step_fn(model, config.model, guidance_2)
   # each further expert serves the steps below the lowest timestep of the one before it
-  further = [sampling.Expert(below, other.params, read_adapter(given, plain, family, placement), step)
+  further = [sampling.Expert(below, other.params, read_adapter(given, plain, family, placement), step_2)
              for (_, below), other, given in zip(experts, loaded[1:], [loras_2, *[()] * len(loaded)])]
   with tqdm(total=steps * len(texts), desc="sampling", unit="step", dynamic_ncols=True) as bar:
     latents = sampling.draw(model, model.params, read_adapter(loras, plain, family, placement),
@@ -134,7 +138,7 @@ def main(argv):
     raise app.UsageError("pass --config configs/<family>.py[:variant]")
   try:
     run(f.config, f.lora or [], f.prompt or [], f.out, f.steps, f.guidance, f.frames, f.height,
-        f.width, f.seed, f.image or [], f.negative_prompt, f.lora_2 or [])
+        f.width, f.seed, f.image or [], f.negative_prompt, f.lora_2 or [], f.guidance_2)
   except UserError as e:
     raise SystemExit(f"error: {e}")
 
@@ -157,6 +161,8 @@ def define_flags():
                       "(videos); numbered _NN for several prompts")
   flags.DEFINE_integer("steps", 0, "sampling steps (0: the config's sample_steps, else the pipeline's)")
   flags.DEFINE_float("guidance", -1.0, "guidance (< 0: the config's sample_guidance, else the pipeline's)")
+  flags.DEFINE_float("guidance_2", -1.0, "a checkpoint of two experts: the second's guidance (< 0: "
+                     "the config's sample_guidance_2, else --guidance's)")
   flags.DEFINE_integer("frames", 0, "frames (video families; 0: the config's sample_frames)")
   flags.DEFINE_integer("height", 0, "pixels (0: the config's sample_height, else its first resolution)")
   flags.DEFINE_integer("width", 0, "pixels (0: the config's sample_width, else its first resolution)")

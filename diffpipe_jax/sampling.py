@@ -511,6 +511,12 @@ def defaults(family, config):
           family.sampling.guidance if config.sample_guidance < 0 else config.sample_guidance)
 
 
+def second_guidance(config, guidance: float, given: float = -1.0) -> float:
+  """The second expert's guidance: `given`, else the config's sample_guidance_2, where either is
+  >= 0; else `guidance` (the pipelines' guidance_scale_2 when None)."""
+  return next((g for g in (given, config.sample_guidance_2) if g >= 0), guidance)
+
+
 def size(config, multiple: int):
   """(frames, height, width) of the config's samples: its sample_* keys, else the first bucket
   resolution (the dataset TOML's, when the config names one), square, rounded down to the VAE's

@@ -231,6 +231,9 @@ SHARED = {
     "sample_steps": Key(
         0, integer(0), "0: the family's diffusers pipeline's default (its `Family.sampling`)"),
     "sample_guidance": Key(-1.0, number(-1), "< 0: the family's diffusers pipeline's default"),
+    "sample_guidance_2": Key(
+        -1.0, number(-1), "a checkpoint of two experts sampled with both: the second's guidance "
+        "(the pipeline's guidance_scale_2); < 0: sample_guidance's, as the pipeline defaults"),
     "sample_height": Key(0, integer(0), "pixels; 0: the first of dataset.resolutions (to the VAE's multiple)"),
     "sample_width": Key(0, integer(0), "pixels; 0: the first of dataset.resolutions (to the VAE's multiple)"),
     "sample_frames": Key(1, integer(1), "video families: 1 + k times the VAE's temporal factor"),

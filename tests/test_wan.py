@@ -261,6 +261,22 @@ def test_a14b_samples_switch_experts_at_the_boundary_as_wan_pipeline(a14b, tmp_p
   one_expert = sampling.denoise(high, high.params, adapters[0], config, conditioning, noise, grid, steps,
                                 guidance, uncond, step)
   assert rel_err(one_expert, want) > 1e-3  # the switch matters
+  # the low-noise expert's own guidance (sample_guidance_2, --guidance_2: guidance_scale_2)
+  from conftest import family_config
+  settings = family_config("wan")
+  assert sampling.second_guidance(settings, guidance) == guidance
+  settings.sample_guidance_2 = 3.0
+  assert (sampling.second_guidance(settings, guidance), sampling.second_guidance(settings, guidance, 2.0)) == (3.0, 2.0)
+  ours = sampling.denoise(high, high.params, adapters[0], config, conditioning, noise, grid, steps, guidance,
+                          uncond, step, experts=[sampling.Expert(boundary, low.params, adapters[1],
+                                                                 sampling.step_fn(high, config, 3.0))])
+  with torch.no_grad():
+    want_2 = pipe(prompt_embeds=torch.from_numpy(conditioning["text"]),
+                  negative_prompt_embeds=torch.from_numpy(uncond["text"]), latents=torch.from_numpy(noise).float(),
+                  height=height, width=width, num_frames=frames, num_inference_steps=steps,
+                  guidance_scale=guidance, guidance_scale_2=3.0, output_type="latent", return_dict=False)[0].numpy()
+  assert_close(ours, want_2, bound=LORA_PARITY)
+  assert rel_err(want_2, want) > 1e-3
 
 
 def test_ti2v_first_frame_conditioning():
