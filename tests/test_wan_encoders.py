@@ -311,6 +311,23 @@ def test_every_format_reads_back_to_the_diffusers_model(variant, tmp_path):
   assert_close(diffusers_names(fp8), want, bound=0.05)  # e4m3's 3 mantissa bits: 2^-4 at most
 
 
+def sampling_setup(pipeline, folder, height, width):
+  """Two pattern images of height x width in `folder`, and the pipeline folder's model config,
+  family, model and encoders."""
+  from PIL import Image
+  from conftest import family_config
+  from diffpipe_jax import family as family_lib, models
+  paths = []
+  for i in range(2):
+    paths.append(str(folder / f"{i}.png"))
+    Image.fromarray(tiny.pattern(i, width, height)).save(paths[-1])
+  model_config = family_config("wan").model
+  model_config.diffusers_path = pipeline
+  fam = family_lib.get("wan")
+  model = models.load("wan", fam.checkpoint_path(model_config), progress=False)
+  return paths, model_config, fam, model, WanEncoders.load(pipeline)
+
+
 def test_i2v_samples_are_the_i2v_pipelines(i2v_pipeline, tmp_path):
   """Samples of an I2V model from first frames (`sample_images`) equal WanImageToVideoPipeline's
   latents from the same images, noise and prompts, with classifier-free guidance (its negative
@@ -318,18 +335,8 @@ def test_i2v_samples_are_the_i2v_pipelines(i2v_pipeline, tmp_path):
   import jax
   from PIL import Image
   from diffusers import WanImageToVideoPipeline
-  from conftest import family_config
-  from diffpipe_jax import family as family_lib, models
   frames, height, width, steps, guidance = 5, 32, 48, 3, 4.5
-  paths = []
-  for i in range(2):
-    paths.append(str(tmp_path / f"{i}.png"))
-    Image.fromarray(tiny.pattern(i, width, height)).save(paths[-1])
-  model_config = family_config("wan").model
-  model_config.diffusers_path = i2v_pipeline
-  fam = family_lib.get("wan")
-  model = models.load("wan", fam.checkpoint_path(model_config), progress=False)
-  encoders = WanEncoders.load(i2v_pipeline)
+  paths, model_config, fam, model, encoders = sampling_setup(i2v_pipeline, tmp_path, height, width)
   prompts = sampling.encode_prompts(fam, encoders, ["a red pattern", "blue"], frames, height, width,
                                     images=paths)
   noise = np.random.default_rng(0).standard_normal((2, wan.TINY_Z, *prompts.grid)).astype(np.float32)
@@ -360,18 +367,8 @@ def test_ti2v_samples_from_first_frames_are_the_i2v_pipelines(ti2v_pipeline, tmp
   import jax
   from PIL import Image
   from diffusers import WanImageToVideoPipeline
-  from conftest import family_config
-  from diffpipe_jax import family as family_lib, models
   frames, height, width, steps, guidance = 5, 32, 64, 3, 4.5
-  paths = []
-  for i in range(2):
-    paths.append(str(tmp_path / f"{i}.png"))
-    Image.fromarray(tiny.pattern(i, width, height)).save(paths[-1])
-  model_config = family_config("wan").model
-  model_config.diffusers_path = ti2v_pipeline
-  fam = family_lib.get("wan")
-  model = models.load("wan", fam.checkpoint_path(model_config), progress=False)
-  encoders = WanEncoders.load(ti2v_pipeline)
+  paths, model_config, fam, model, encoders = sampling_setup(ti2v_pipeline, tmp_path, height, width)
   assert encoders.takes_first_frame and not encoders.needs_first_frame
   texts = ["a red pattern", "blue"]
   text_pipe = WanPipeline.from_pretrained(ti2v_pipeline)
