@@ -43,6 +43,7 @@ sys.path.insert(0, ROOT)  # the shapes import the project, wherever the script i
 MODES = {"no remat": dict(remat="none", transformer_dtype=""),
          "no remat (unrolled)": dict(remat="none", transformer_dtype="", unrolled=True),
          "per-block remat (save dots)": dict(remat="block_save_dots", transformer_dtype=""),
+         "per-block remat (save attention)": dict(remat="block_save_attention", transformer_dtype=""),
          "per-block remat": dict(remat="block", transformer_dtype=""),
          "per-block remat (unrolled)": dict(remat="block", transformer_dtype="", unrolled=True),
          "per-block remat (offload)": dict(remat="block_offload", transformer_dtype=""),

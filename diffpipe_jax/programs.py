@@ -67,6 +67,13 @@ def keep(x):
   return checkpoint_name(x, KEPT)
 
 
+def saves_attention(prim, *_, **params) -> bool:
+  """Whether a primitive is cuDNN attention's forward, whose outputs (the output and the softmax
+  statistics, what its backward reads) a residual policy keeps so that the backward pass does
+  not run the attention forward again (XLA's attention, off the GPU, has none)."""
+  return prim.name.startswith("dot_product_attention_fwd")
+
+
 def keeps_for_backward(prim, *_, **params) -> bool:
   """The residual policy of every piece: keep what the model marks (`keep`) and attention's
   outputs; recompute the elementwise work between them in the backward program (as XLA does by
@@ -74,8 +81,7 @@ def keeps_for_backward(prim, *_, **params) -> bool:
   twice (its base and LoRA parts, before they are summed): more memory, and more arrays between
   programs, each costing host time (benchmarks/HISTORY.md, "LoRA step: fewer kernels and
   arrays between the block programs")."""
-  return ((prim.name == "name" and params.get("name") == KEPT)
-          or prim.name.startswith("dot_product_attention_fwd"))
+  return (prim.name == "name" and params.get("name") == KEPT) or saves_attention(prim)
 
 
 def ahead(x):

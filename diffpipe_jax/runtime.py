@@ -24,6 +24,9 @@ REMAT_POLICIES = {
     "none": None, "block": jax.checkpoint_policies.nothing_saveable,
     # keep the matmul outputs, recompute the cheap elementwise work between them
     "block_save_dots": programs.keeps_for_backward,
+    # keep attention's outputs only: the backward pass recomputes the Linears, not the
+    # attention, which at long sequences is most of a block's forward work
+    "block_save_attention": programs.saves_attention,
     # as "block", but each block's input waits for the backward pass in host memory
     "block_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=(), names_which_can_be_offloaded=(stacks_lib.BLOCK_INPUT,),
@@ -101,8 +104,9 @@ class Runtime:
     place (`layers.Linear`): in the scanned step that keeps none of a block's matmul outputs,
     "block" (measured: BENCHMARKS.md#flux-step-remat; the trials: benchmarks/HISTORY.md, "The
     bias beside the LoRA, the modulations ahead" and "Every kernel read in place";
-    "block_offload" keeps none either, but has not been measured)."""
-    return self.remat == "block" and not self.unrolled
+    "block_offload" keeps none either, but has not been measured; nor has
+    "block_save_attention", which keeps attention's outputs only)."""
+    return self.remat in ("block", "block_save_attention") and not self.unrolled
 
   def single_microbatch(self) -> "Runtime":
     """The runtime of a forward pass of one batch (evals, samples): a pipeline's stages run it

@@ -93,8 +93,10 @@ SHARED = {
     "activation_checkpointing": Key(
         "block", choice(*runtime.REMAT_POLICIES),
         '"none": fastest, most memory; "block": remat each block; "block_save_dots": keep each '
-        'block\'s matmul outputs; "block_offload": "block" with each block\'s input kept in host '
-        "memory until the backward pass (less memory, slower)",
+        'block\'s matmul outputs; "block_save_attention": keep only its attention outputs (GPU: '
+        'the backward pass recomputes the Linears, not attention); "block_offload": "block" '
+        "with each block's input kept in host memory until the backward pass (less memory, "
+        "slower)",
         diffusion_pipe=DiffusionPipe(default="none", value=activation_checkpointing_from_toml)),
     "unrolled": Key(
         None, Rule("True, False or None (True where it can be)",
