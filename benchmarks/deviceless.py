@@ -18,7 +18,6 @@ fusion only slices, the slices); the floor is those bytes at `--tb_per_s` or the
 at `--tflops`, whichever takes longer (attention: its bytes only), a bound to rank kernels by,
 not a time. `--smoke` compiles the smoke shape for this machine's CPU (tests the script).
 """
-import argparse
 import collections
 import dataclasses
 import os

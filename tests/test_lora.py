@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 
-import diffusers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from diffpipe_jax import family as family_lib, lora, models, training_step
+from diffpipe_jax import lora, models, training_step
 from conftest import diffusers_modules, family_config, load_lora_in_diffusers
 from tolerances import LORA_PARITY, assert_close, rel_err
 from diffpipe_jax.convert import CheckpointError, table
