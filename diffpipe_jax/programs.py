@@ -519,11 +519,13 @@ def value_and_grad(fn, jit_options=JIT_OPTIONS, offload=False):
       # What the backward program reads again; host inputs stay there, to be copied again, and
       # offloaded ones go there (the device frees its copy once no later program reads it).
       kept, hosts = program.kept(originals), {}
-      in_host = t.host.get(n, ())
-      for j, k in enumerate(program.backward_order):
-        if kept[j] is not None and k in offloaded[n]:
+      in_host, moved = t.host.get(n, ()), offloaded[n]
+      for j, k in enumerate(program.backward_order) if in_host or moved else ():
+        if kept[j] is None:
+          continue
+        if k in moved:
           kept[j] = jax.device_put(kept[j], kept[j].sharding.with_memory_kind("pinned_host"))
-        if kept[j] is not None and (k in in_host or k in offloaded[n]):
+        if k in in_host or k in moved:
           hosts[j] = kept[j]
       tape.append((n, program, residuals, kept, hosts))
       return outs

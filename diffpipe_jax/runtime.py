@@ -108,6 +108,12 @@ class Runtime:
     "block_save_attention", which keeps attention's outputs only)."""
     return self.remat in ("block", "block_save_attention") and not self.unrolled
 
+  @property
+  def offloads_between_programs(self) -> bool:
+    """Whether `programs.value_and_grad` moves the block inputs the backward pass keeps to host
+    memory ("block_offload" unrolled), each block running as "block" does."""
+    return self.unrolled and self.remat == "block_offload"
+
   def single_microbatch(self) -> "Runtime":
     """The runtime of a forward pass of one batch (evals, samples): a pipeline's stages run it
     as one microbatch."""
@@ -117,11 +123,9 @@ class Runtime:
 
   def run_stacks(self, stacks, x, per_sample, shared, *, key=None):
     """What a model calls to run its block stacks (`stacks.Stack`s): through the pipeline, or on
-    one device (`stacks.run_stacks`), each block under the remat policy. Unrolled,
-    "block_offload" runs each block as "block" does, and `value_and_grad` moves the block inputs
-    that the backward pass keeps to host memory between programs."""
-    offloaded_by_programs = self.unrolled and self.remat == "block_offload"
-    policy = REMAT_POLICIES["block" if offloaded_by_programs else self.remat]
+    one device (`stacks.run_stacks`), each block under the remat policy (where
+    `offloads_between_programs`, "block"'s)."""
+    policy = REMAT_POLICIES["block" if self.offloads_between_programs else self.remat]
     if self.pipeline is not None:
       return self.pipeline.run(stacks, x, per_sample, shared, remat=policy, key=key)
     return stacks_lib.run_stacks(stacks, x, per_sample, shared, remat=policy, key=key,
@@ -158,5 +162,5 @@ class Runtime:
     layers unrolled, run as programs per block, each jitted with `jit_options` (with
     "block_offload", the block inputs kept for the backward pass wait in host memory)."""
     if self.unrolled:  # (whose matmul policy is the default)
-      return programs.value_and_grad(fn, jit_options, offload=self.remat == "block_offload")
+      return programs.value_and_grad(fn, jit_options, offload=self.offloads_between_programs)
     return self.traced(jax.value_and_grad(fn))

@@ -491,8 +491,8 @@ def host_copies(jaxpr):
 
 def test_remat_policies_and_unrolled_layers_give_the_same_gradients(loaded):
   """Each activation_checkpointing value in a scan, and no remat and "block_offload" unrolled,
-  against no remat in a scan: same loss and gradients. Remat must shrink the temporaries, and "block_offload" must send
-  each block's input [B, tokens, D] to host memory. Unrolled, the placement stores every stacked
+  against no remat in a scan: same loss and gradients. Remat must shrink the temporaries, and
+  "block_offload" (scanned) must send each block's input [B, tokens, D] to host memory. Unrolled, the placement stores every stacked
   leaf per layer, so that no stacked weight or LoRA (nor a slice of one) is in the program; the
   trainer runs it split into programs per block (`programs`), which must give the same."""
   _, model, path = loaded

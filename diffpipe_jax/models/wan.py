@@ -465,6 +465,13 @@ def first_frame_mask(cfg: WanConfig, latents):
   return jnp.broadcast_to(first, (b, channels, f, h, w))
 
 
+def first_frame_tokens(cfg: WanConfig, latents_shape):
+  """[L]: True for the tokens of the first latent frames (the first temporal patch) of latents
+  of `latents_shape` [B, C, F, H, W], in the transformer's token order."""
+  grid = [n // s for n, s in zip(latents_shape[2:], cfg.patch_size)]
+  return jnp.broadcast_to((jnp.arange(grid[0]) == 0)[:, None, None], grid).reshape(-1)
+
+
 def with_first_frame(cfg: WanConfig, conditioning: dict, latents):
   """Latents [B, C, F, H, W] with the TI2V 5B's given first frame (`first_frame`, its latents
   [B, C, F0, H, W], where the conditioning has one) in place of the first F0 latent frames."""
@@ -483,10 +490,7 @@ def training_inputs(model_config, cfg: WanConfig, batch: dict, noisy, t) -> dict
   of its first latent frames, their tokens at t = 0, as WanImageToVideoPipeline gives it
   (`expand_timesteps`)."""
   if "first_frame" in batch:
-    clean_frames = -(-batch["first_frame"].shape[2] // cfg.patch_size[0])
-    grid = [n // s for n, s in zip(noisy.shape[2:], cfg.patch_size)]
-    clean = (jnp.arange(grid[0]) < clean_frames)[:, None, None]
-    clean = jnp.broadcast_to(clean, grid).reshape(1, -1)  # [1, L]
+    clean = first_frame_tokens(cfg, noisy.shape)[None]
     noisy, t = with_first_frame(cfg, batch, noisy), jnp.where(clean, 0.0, t.reshape(len(t), -1))
   hidden_states = noisy
   if first_frame_input(cfg) == "channels":
@@ -509,10 +513,7 @@ def condition(model_config, cfg: WanConfig, key, batch, noisy, t):
   chosen = jax.random.uniform(key, t.shape) < p  # [B]
   clean = chosen[:, None] & (jnp.arange(frames) < cfg.patch_size[0])[None]  # [B, F]
   noisy = jnp.where(clean[:, None, :, None, None], batch["latents"].astype(noisy.dtype), noisy)
-  grid = [n // s for n, s in zip(noisy.shape[2:], cfg.patch_size)]
-  first_tokens = (jnp.arange(grid[0]) == 0)[None, :, None, None]
-  clean_tokens = jnp.broadcast_to(chosen[:, None, None, None] & first_tokens,
-                                  (t.shape[0], *grid)).reshape(t.shape[0], -1)
+  clean_tokens = chosen[:, None] & first_frame_tokens(cfg, noisy.shape)[None]  # [B, L]
   # the loss's error is averaged over the last axis (columns): a mask over the rest broadcasts
   kept = (~clean).astype(jnp.float32)[:, None, :, None]
   return noisy, jnp.where(clean_tokens, 0.0, t[:, None]), kept
